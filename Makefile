@@ -1,0 +1,51 @@
+# ray_app: PyTorch DDP on Ray Train. `make help` lists every target.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+VERSION := 0.1.0
+# The one image name shared by the Makefile, docker/compose.yaml and k8s/ (a test checks they agree).
+IMAGE ?= ray-app:$(VERSION)
+CONFIG ?= configs/local.yaml
+ARGS ?=
+
+##@ Quick start
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make \033[36m<target>\033[0m [VAR=value]\n"} /^[a-zA-Z0-9_-]+:.*?##/ { printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) }' $(MAKEFILE_LIST)
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+.PHONY: venv
+venv: $(VENV)/.installed ## Create .venv and install the kit with dev extras
+
+.PHONY: train
+train: venv ## Train the default config (local Ray, 2 CPU workers, ./runs); CONFIG=... ARGS="--set k=v"
+	$(VENV)/bin/ray-app train --config $(CONFIG) $(ARGS)
+
+.PHONY: test
+test: venv ## Run every test tier (unit, integration, e2e; e2e needs Docker)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+##@ Development
+
+.PHONY: test-unit
+test-unit: venv ## Fast pure tests only
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+.PHONY: preflight
+preflight: venv ## Check config, storage and cluster without training
+	$(VENV)/bin/ray-app preflight --config $(CONFIG) $(ARGS)
+
+.PHONY: clean
+clean: ## Remove runs/ and caches (keeps .venv)
+	rm -rf runs .pytest_cache build dist
+
+-include mk/*.mk

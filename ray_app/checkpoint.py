@@ -1,0 +1,304 @@
+"""What a checkpoint holds, and how it is written, verified, chosen and loaded.
+
+Layout of one checkpoint, ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``::
+
+    model.pt  optimizer.pt  scheduler.pt  scaler.pt   (torch.save of plain state dicts)
+    rng/rank_{r}.pt                                    (each rank's torch/numpy/python RNG)
+    state.json  config.json  metrics.json              (position in training, the config, metrics)
+    manifest.json                                      (sha256 + size of every file above; uploaded last)
+
+A checkpoint whose manifest is missing or does not match is never loaded.
+Loading uses ``torch.load(..., weights_only=True)`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ray_app.storage import StorageError, split_uri
+
+log = logging.getLogger("ray_app.checkpoint")
+
+MANIFEST = "manifest.json"
+FORMAT = "ray_app.checkpoint/1"
+PREFIX = "ckpt-s"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted (missing, incomplete, tampered)."""
+
+
+def checkpoint_dir_name(global_step: int) -> str:
+    """Sortable by step, then time; unique so nothing is ever overwritten."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return f"{PREFIX}{global_step:09d}-{stamp}-{os.urandom(2).hex()}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- RNG state
+
+def capture_rng_state() -> dict:
+    """This rank's RNG state in types ``torch.load(weights_only=True)`` accepts."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]),
+        "numpy_cached_gaussian": float(np_state[4]),
+        "python_version": int(py_state[0]),
+        "python_state": list(py_state[1]),
+        "python_gauss": py_state[2],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_cached_gaussian"]))
+    random.setstate((state["python_version"], tuple(state["python_state"]), state["python_gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---------------------------------------------------------------- writing
+
+@dataclass
+class CheckpointPayload:
+    """Everything needed to continue training exactly."""
+
+    model: dict
+    optimizer: dict
+    scheduler: dict
+    scaler: dict
+    rng_per_rank: list[dict]
+    state: dict  # epoch, global_step, batches_done (in the epoch), epochs_completed, ...
+    config: dict
+    metrics: dict = field(default_factory=dict)
+
+
+def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
+    """Write every file, then the manifest (last). Returns the manifest."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, obj in (("model.pt", payload.model), ("optimizer.pt", payload.optimizer),
+                      ("scheduler.pt", payload.scheduler), ("scaler.pt", payload.scaler)):
+        torch.save(obj, path / name)
+    (path / "rng").mkdir(exist_ok=True)
+    for rank, rng in enumerate(payload.rng_per_rank):
+        torch.save(rng, path / "rng" / f"rank_{rank}.pt")
+    for name, obj in (("state.json", payload.state), ("config.json", payload.config),
+                      ("metrics.json", payload.metrics)):
+        (path / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
+    files = {}
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[f.relative_to(path).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    manifest = {"format": FORMAT, "created": time.time(), "global_step": payload.state["global_step"],
+                "epoch": payload.state["epoch"], "files": files}
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def upload_checkpoint_dir(local: Path, storage, rel: str) -> None:
+    """Copy a written checkpoint to storage: data files first, the manifest last (the commit)."""
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST)
+    for f in files:
+        storage.upload_file(str(f), f"{rel}/{f.relative_to(local).as_posix()}")
+    storage.upload_file(str(local / MANIFEST), f"{rel}/{MANIFEST}")
+
+
+# ---------------------------------------------------------------- verifying
+
+@dataclass
+class Verification:
+    name: str
+    ok: bool
+    problems: list[str]
+    manifest: dict | None
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.problems) if self.problems else "ok"
+
+
+def verify(storage, rel: str, name: str | None = None) -> Verification:
+    """Check every manifest entry (presence, size, sha256) without loading anything."""
+    name = name or rel.rsplit("/", 1)[-1]
+    try:
+        present = storage.list_files(rel)
+    except Exception as exc:  # storage errors surface as "not verified"
+        return Verification(name, False, [f"cannot list: {type(exc).__name__}"], None)
+    if MANIFEST not in present:
+        return Verification(name, False, ["no manifest (incomplete or not a ray_app checkpoint)"], None)
+    try:
+        manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
+        entries = manifest["files"]
+        assert manifest.get("format") == FORMAT
+    except Exception:
+        return Verification(name, False, ["manifest unreadable or of an unknown format"], None)
+    problems = []
+    for fname, meta in sorted(entries.items()):
+        if fname not in present:
+            problems.append(f"missing file {fname}")
+        elif present[fname] != meta["bytes"]:
+            problems.append(f"size mismatch in {fname}")
+        elif hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
+            problems.append(f"sha256 mismatch in {fname}")
+    for required in ("model.pt", "optimizer.pt", "state.json", "config.json"):
+        if required not in entries:
+            problems.append(f"manifest lists no {required}")
+    return Verification(name, not problems, problems, manifest)
+
+
+def list_checkpoints(storage, run: str) -> list[str]:
+    """Checkpoint dir names of a run, oldest first."""
+    return [d for d in storage.list_dirs(run) if d.startswith(PREFIX)]
+
+
+def newest_verified(storage, run: str, warn=log.warning) -> tuple[str | None, list[Verification]]:
+    """The newest checkpoint whose manifest matches; broken newer ones are skipped with a warning."""
+    skipped = []
+    for name in reversed(list_checkpoints(storage, run)):
+        v = verify(storage, f"{run}/{name}", name)
+        if v.ok:
+            return name, skipped
+        warn(f"skipping checkpoint {storage.uri(run, name)}: {v.reason}")
+        skipped.append(v)
+    return None, skipped
+
+
+# ---------------------------------------------------------------- loading
+
+@dataclass
+class LoadedCheckpoint:
+    uri: str
+    model: dict
+    optimizer: dict
+    scheduler: dict
+    scaler: dict
+    rng: dict | None
+    state: dict
+    config: dict
+
+
+def _load_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool = False) -> LoadedCheckpoint:
+    """Verify, then load (each file hashed as read, so a change after verification is caught too)."""
+    v = verify(storage, rel)
+    if not v.ok:
+        raise CheckpointError(f"checkpoint {storage.uri(rel)} failed verification: {v.reason}")
+    files = v.manifest["files"]
+
+    def read(name: str) -> bytes:
+        data = storage.read_bytes(f"{rel}/{name}")
+        if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
+            raise CheckpointError(f"checkpoint {storage.uri(rel)}: {name} changed after verification")
+        return data
+
+    model = _load_bytes(read("model.pt"))
+    state = json.loads(read("state.json"))
+    config = json.loads(read("config.json"))
+    if model_only:
+        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, {}, None, state, config)
+    rng_name = f"rng/rank_{rank}.pt"
+    rng = _load_bytes(read(rng_name)) if rank is not None and rng_name in files else None
+    return LoadedCheckpoint(
+        storage.uri(rel), model, _load_bytes(read("optimizer.pt")),
+        _load_bytes(read("scheduler.pt")) if "scheduler.pt" in files else {},
+        _load_bytes(read("scaler.pt")) if "scaler.pt" in files else {},
+        rng, state, config,
+    )
+
+
+def resolve_checkpoint_uri(uri: str) -> tuple[object, str]:
+    """A checkpoint URI, or a run URI (-> its newest verified checkpoint), as (storage, rel)."""
+    storage, last = split_uri(uri)
+    if last.startswith(PREFIX):
+        if not storage.list_files(last):
+            raise StorageError(f"{uri}: no such checkpoint; list them with `ray-app checkpoints list RUN_URI`")
+        return storage, last
+    name, _ = newest_verified(storage, last)
+    if name is None:
+        if list_checkpoints(storage, last):
+            raise CheckpointError(f"{uri}: no checkpoint of this run passes verification; "
+                                  "see `ray-app checkpoints verify`")
+        raise StorageError(f"{uri}: no checkpoints found; pass a run URI such as runs/NAME or s3://bucket/prefix/NAME")
+    return storage, f"{last}/{name}"
+
+
+class Checkpointer:
+    """The loop's handle on checkpoints: restore the newest good one, save new ones.
+
+    ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
+    (Ray Train's ``ray.train.report`` in production); every rank calls ``save``.
+    """
+
+    def __init__(self, storage, run: str, report, *, resume_from: str = "", warn=log.warning):
+        self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
+        self.last_uri: str | None = None
+
+    def choose(self) -> tuple[object, str] | None:
+        """(storage, rel) of the checkpoint to start from, or None for a fresh start."""
+        name, _ = newest_verified(self.storage, self.run, warn=self.warn)
+        if name is not None:
+            return self.storage, f"{self.run}/{name}"
+        if self.resume_from:
+            return resolve_checkpoint_uri(self.resume_from)
+        return None
+
+    def restore(self, rank: int) -> LoadedCheckpoint | None:
+        chosen = self.choose()
+        if chosen is None:
+            return None
+        storage, rel = chosen
+        loaded = load_verified(storage, rel, rank)
+        self.last_uri = loaded.uri
+        return loaded
+
+    def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool) -> float:
+        """Write (on the writer rank) and report a checkpoint. Returns seconds training was blocked."""
+        t0 = time.perf_counter()
+        name = checkpoint_dir_name(metrics["global_step"])
+        local = None
+        if is_writer:
+            local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
+            write_checkpoint_dir(local, payload)
+            self.last_uri = self.storage.uri(self.run, name)
+        metrics = dict(metrics, checkpoint=self.storage.uri(self.run, name))
+
+        def upload(local_dir: Path, dir_name: str) -> None:
+            upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}")
+
+        self._report(metrics, local, name, upload)
+        return time.perf_counter() - t0
+
+
+def cleanup_local(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

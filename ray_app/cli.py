@@ -1,0 +1,222 @@
+"""``ray-app`` command line (also ``python -m ray_app``).
+
+Exit codes: 0 success; 2 bad input (config, arguments, credentials, missing
+bucket, unreadable or tampered checkpoint) with one line naming the key or
+resource and the fix; 1 a failure during training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from ray_app import __version__
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        self.print_usage(sys.stderr)
+        print(f"ray-app: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _config_args(p: argparse.ArgumentParser, config_default: str | None = "configs/local.yaml") -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help=f"YAML run config (default: {config_default} if it exists, else built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set train.epochs=5 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ray-app", description="PyTorch DDP training on Ray Train: train, evaluate, inspect checkpoints.")
+    p.add_argument("--version", action="version", version=f"ray-app {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train (resumes if the run already has checkpoints)")
+    _config_args(t)
+    t.add_argument("--summary", metavar="FILE", help="also write the summary JSON to FILE")
+
+    e = sub.add_parser("eval", help="distributed evaluation of a checkpoint")
+    e.add_argument("--checkpoint", required=True, metavar="URI", help="checkpoint URI, or a run URI (its newest)")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the checkpoint's config (e.g. scaling.num_workers=1)")
+    e.add_argument("--summary", metavar="FILE", help="also write the summary JSON to FILE")
+
+    c = sub.add_parser("checkpoints", help="list, verify or export a run's checkpoints")
+    csub = c.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    for name, help_text in (("list", "epoch, step, time, metrics, size and verification of each checkpoint"),
+                            ("verify", "check every manifest entry (exit 2 if the newest or any named is bad)"),
+                            ("export", "write the model state_dict of the newest good (or the named) checkpoint")):
+        a = csub.add_parser(name, help=help_text)
+        a.add_argument("uri", metavar="RUN_OR_CHECKPOINT_URI")
+        a.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "export":
+            a.add_argument("--out", required=True, metavar="FILE", help="where to write the state_dict (.pt)")
+            a.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+
+    f = sub.add_parser("preflight", help="check config, storage and cluster; train nothing")
+    _config_args(f)
+    return p
+
+
+def _load(args):
+    from ray_app.config import load_config
+
+    path = args.config
+    if path is None and Path("configs/local.yaml").is_file():
+        path = "configs/local.yaml"
+    return load_config(path, args.overrides)
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    return obj
+
+
+def _emit_summary(summary: dict, path: str | None) -> None:
+    line = json.dumps(_json_safe(summary), sort_keys=False)
+    if path:
+        Path(path).write_text(line + "\n")
+    sys.stderr.flush()
+    print(line, flush=True)
+
+
+def cmd_train(args) -> int:
+    from ray_app.launch import run_training
+
+    cfg = _load(args)
+    _emit_summary(run_training(cfg), args.summary)
+    return EXIT_OK
+
+
+def cmd_eval(args) -> int:
+    from ray_app.evaluate import run_eval
+
+    _emit_summary(run_eval(args.checkpoint, args.overrides), args.summary)
+    return EXIT_OK
+
+
+def cmd_preflight(args) -> int:
+    from ray_app.launch import init_ray, preflight_run
+
+    cfg = _load(args)
+    storage = preflight_run(cfg)
+    print(f"config ok: run {cfg.run.name}, {cfg.scaling.num_workers} workers, {cfg.model.name} on {cfg.data.name}")
+    print(f"storage ok: {storage.uri(cfg.run.name)} is writable")
+    import os
+
+    if os.environ.get("RAY_ADDRESS"):
+        init_ray(cfg)
+        import ray
+
+        print(f"cluster ok: {ray.cluster_resources()}")
+        ray.shutdown()
+    return EXIT_OK
+
+
+def cmd_checkpoints(args) -> int:
+    from ray_app import checkpoint as ck
+
+    if args.action == "export":
+        return _export(args)
+    storage, last = ck.split_uri(args.uri)
+    if last.startswith(ck.PREFIX):
+        run, names = None, [last]
+        rels = [last]
+    else:
+        run, names = last, ck.list_checkpoints(storage, last)
+        rels = [f"{last}/{n}" for n in names]
+        if not names:
+            raise ck.StorageError(f"{args.uri}: no checkpoints found; pass a run URI such as runs/NAME or "
+                                  "s3://bucket/prefix/NAME")
+    rows = [_describe(storage, rel, name) for rel, name in zip(rels, names)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            status = "verified" if r["verified"] else f"NOT VERIFIED ({r['problems']})"
+            acc = r["metrics"].get("eval_accuracy")
+            print(f"{r['name']}  epoch {r['epoch']}  step {r['global_step']}  {r['time']}  "
+                  f"{r['bytes'] / 1e6:.2f} MB  eval_accuracy {acc if acc is None else round(acc, 4)}  {status}")
+    if args.action == "verify":
+        bad = [r for r in rows if not r["verified"]]
+        if bad and (run is None or bad[-1] is rows[-1] or len(bad) == len(rows)):
+            print(f"ray-app: error: {len(bad)} of {len(rows)} checkpoints failed verification "
+                  f"(newest bad: {bad[-1]['uri']}); do not load them", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _describe(storage, rel: str, name: str) -> dict:
+    from ray_app import checkpoint as ck
+
+    v = ck.verify(storage, rel, name)
+    files = storage.list_files(rel)
+    metrics, man = {}, v.manifest or {}
+    if v.ok:
+        try:
+            metrics = json.loads(storage.read_bytes(f"{rel}/metrics.json"))
+        except Exception:
+            metrics = {}
+    created = man.get("created")
+    return {"name": name, "uri": storage.uri(rel), "verified": v.ok, "problems": v.reason,
+            "epoch": man.get("epoch"), "global_step": man.get("global_step"),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(created)) if created else "?",
+            "bytes": sum(files.values()),
+            "metrics": {k: metrics.get(k) for k in ("train_loss", "eval_loss", "eval_accuracy") if k in metrics}}
+
+
+def _export(args) -> int:
+    import torch
+
+    from ray_app import checkpoint as ck
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"ray-app: error: --out {out} already exists; choose another path or pass --force", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    storage, rel = ck.resolve_checkpoint_uri(args.uri)
+    loaded = ck.load_verified(storage, rel, rank=None, model_only=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(loaded.model, tmp)
+    tmp.replace(out)
+    print(json.dumps({"checkpoint": loaded.uri, "out": str(out), "tensors": len(loaded.model),
+                      "global_step": loaded.state.get("global_step")}))
+    return EXIT_OK
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ray_app.checkpoint import CheckpointError
+    from ray_app.config import ConfigError
+    from ray_app.launch import TrainingFailed, UserError
+    from ray_app.storage import StorageError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, StorageError, CheckpointError, UserError) as exc:
+        print(f"ray-app: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingFailed as exc:
+        print(f"ray-app: training failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("ray-app: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Builds and runs the Ray Train ``TorchTrainer`` around the loop.
+
+Driver side: connect to ``RAY_ADDRESS`` (or start a local Ray sized to the
+machine), check the cluster can hold the workers, build Scaling / Run /
+Failure / Checkpoint configs, run, and turn the result into the summary.
+Worker side: ``train_func`` builds the runtime, checkpointer and metrics sink
+the loop is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from ray_app.config import Config, ConfigError, config_from_dict
+
+log = logging.getLogger("ray_app.launch")
+
+
+class UserError(RuntimeError):
+    """Bad input found at launch time (exit code 2)."""
+
+
+# ---------------------------------------------------------------- worker side
+
+class RayRuntime:
+    """Topology and Ray Train calls, read in one place."""
+
+    def __init__(self, use_gpu: bool, storage, run: str, upload_mode: str):
+        import ray.train
+        import ray.train.torch
+
+        self._train, self._torch = ray.train, ray.train.torch
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.local_rank = ctx.get_local_rank()
+        self.device = ray.train.torch.get_device()
+        self.storage, self.run = storage, run
+        self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"
+                            else ray.train.CheckpointUploadMode.SYNC)
+
+    def prepare_model(self, model, bucket_cap_mb: int = 25):
+        return self._torch.prepare_model(model, parallel_strategy_kwargs={
+            "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True})
+
+    def prepare_loader(self, loader):
+        return self._torch.prepare_data_loader(loader, add_dist_sampler=False, move_to_device=True)
+
+    def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
+        """Every rank calls this the same number of times (ray.train.report is a barrier)."""
+        if local_dir is None:
+            self._train.report(metrics)
+            return
+        from ray_app.checkpoint import cleanup_local
+
+        def upload_fn(checkpoint, name):
+            upload(Path(checkpoint.path), name)
+            path, fs = self.storage.ray_checkpoint_location(f"{self.run}/{name}")
+            return self._train.Checkpoint(path, filesystem=fs)
+
+        self._train.report(metrics, checkpoint=self._train.Checkpoint.from_directory(str(local_dir)),
+                           checkpoint_dir_name=dir_name, checkpoint_upload_mode=self.upload_mode,
+                           checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=True)
+        if self.upload_mode == self._train.CheckpointUploadMode.SYNC:
+            cleanup_local(local_dir)
+
+
+def train_func(cfg_dict: dict) -> None:
+    """Entry point of every Ray Train worker."""
+    from ray_app.checkpoint import Checkpointer
+    from ray_app.loop import Trainer
+    from ray_app.metrics import NullMetrics, PrometheusMetrics
+    from ray_app.storage import open_storage
+
+    app_log = logging.getLogger("ray_app")
+    if not app_log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        app_log.addHandler(handler)
+        app_log.setLevel(logging.INFO)
+        app_log.propagate = False
+    cfg = config_from_dict(cfg_dict)
+    storage = open_storage(cfg.run.storage)
+    runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
+    checkpointer = Checkpointer(storage, cfg.run.name, runtime.report, resume_from=cfg.run.resume_from,
+                                warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
+    metrics = NullMetrics()
+    if runtime.rank == 0 and cfg.metrics.enabled:
+        metrics = PrometheusMetrics(cfg.metrics.port)
+    Trainer(cfg, runtime, checkpointer, metrics).fit()
+
+
+# ---------------------------------------------------------------- driver side
+
+def _quiet_ray_env() -> None:
+    # keep the driver's output readable: progress lines, not a wall of Ray internals
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+
+
+def init_ray(cfg: Config) -> None:
+    """Join the cluster at RAY_ADDRESS, else start a local Ray sized to this machine."""
+    import ray
+
+    _quiet_ray_env()
+    address = os.environ.get("RAY_ADDRESS")
+    worker_env = {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker)))),
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # rank 0's print() reaches the driver once, not twice
+    }
+    runtime_env = {"env_vars": worker_env}
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
+    else:
+        # the dashboard (on 127.0.0.1 only) serves the State API Ray Train's controller polls
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
+                 logging_level=logging.WARNING, runtime_env=runtime_env)
+    _check_capacity(cfg, ray.cluster_resources(), bool(address))
+
+
+def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
+    s = cfg.scaling
+    need_cpu = s.num_workers * s.cpus_per_worker
+    have_cpu = resources.get("CPU", 0)
+    where = "the Ray cluster" if remote else "this machine"
+    if need_cpu > have_cpu and not s.use_gpu:
+        raise UserError(f"config key scaling.num_workers={s.num_workers} x scaling.cpus_per_worker={s.cpus_per_worker} "
+                        f"needs {need_cpu:g} CPUs but {where} has {have_cpu:g}; lower them or add nodes")
+    if s.use_gpu:
+        need_gpu, have_gpu = s.num_workers * s.gpus_per_worker, resources.get("GPU", 0)
+        if need_gpu > have_gpu:
+            raise UserError(f"config key scaling.use_gpu=true needs {need_gpu:g} GPUs but {where} has {have_gpu:g}; "
+                            "lower scaling.num_workers or add GPU nodes")
+
+
+def build_trainer(cfg: Config, storage):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    storage_path, fs = storage.ray_storage()
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = cfg.scaling.gpus_per_worker
+    return TorchTrainer(
+        train_func,
+        train_loop_config=cfg.to_dict(),
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=storage_path, storage_filesystem=fs,
+            failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+        ),
+    )
+
+
+def preflight_run(cfg: Config):
+    """Everything that can be checked before a worker starts. Returns the storage."""
+    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+    from ray_app.models import validate_model_name
+    from ray_app.storage import StorageError, open_storage, preflight
+
+    validate_model_name(cfg.model.name)
+    storage = open_storage(cfg.run.storage)
+    preflight(storage)
+    if cfg.run.resume_from:
+        try:
+            rs, rel = resolve_checkpoint_uri(cfg.run.resume_from)
+            load_verified(rs, rel, rank=None, model_only=True)
+        except (CheckpointError, StorageError) as exc:
+            raise UserError(f"config key run.resume_from: {exc}") from None
+    return storage
+
+
+def run_training(cfg: Config) -> dict:
+    """Preflight, train, return the summary dict."""
+    storage = preflight_run(cfg)
+    t0 = time.perf_counter()
+    init_ray(cfg)
+    trainer = build_trainer(cfg, storage)
+    result = trainer.fit()
+    import ray
+
+    ray.shutdown()  # stop streaming worker logs so the summary really is the last line
+    if result.error is not None:
+        raise TrainingFailed(str(result.error).strip().splitlines()[-1][:500])
+    m = result.metrics or {}
+    ckpt = m.get("checkpoint") or (storage.uri(cfg.run.name, Path(result.checkpoint.path).name)
+                                    if result.checkpoint else None)
+    return {
+        "run": cfg.run.name,
+        "checkpoint": ckpt,
+        "epochs": m.get("epochs", m.get("epoch")),
+        "global_step": m.get("global_step"),
+        "train_loss": m.get("train_loss"),
+        "eval_loss": m.get("eval_loss"),
+        "eval_accuracy": m.get("eval_accuracy"),
+        "num_eval_samples": m.get("num_samples"),
+        "train_seconds": m.get("train_seconds"),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "resumed_from_step": m.get("resumed_from_step", 0),
+        "world_size": cfg.scaling.num_workers,
+    }
+
+
+class TrainingFailed(RuntimeError):
+    """Training failed after all retries (exit code 1)."""
+
+
+__all__ = ["run_training", "preflight_run", "train_func", "UserError", "TrainingFailed", "ConfigError", "sys"]

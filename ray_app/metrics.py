@@ -1,0 +1,225 @@
+"""Rank-0 Prometheus exporter, and the null sink every other rank gets.
+
+The train loop only calls the methods of a *metrics sink*; it never imports
+prometheus_client. Each exporter uses its own ``CollectorRegistry`` so a new
+worker group (after a restart) never trips over "Duplicated timeseries".
+The names below are the contract: README, alert rules and the Grafana
+dashboard use only these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("ray_app.metrics")
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+CKPT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# name -> (type, help). Histograms and counters expose the usual suffixes.
+METRICS = {
+    "ray_app_info": ("gauge", "Run information; value is always 1."),
+    "ray_app_train_loss": ("gauge", "Training loss, sample-weighted global mean over all ranks, last logging interval."),
+    "ray_app_samples_processed_total": ("counter", "Training samples processed by all ranks."),
+    "ray_app_samples_per_second": ("gauge", "Global training throughput over the last logging interval."),
+    "ray_app_step_seconds": ("histogram", "Wall time of one optimizer step on rank 0."),
+    "ray_app_epoch": ("gauge", "Current epoch (0-based)."),
+    "ray_app_global_step": ("gauge", "Optimizer steps taken since the run started."),
+    "ray_app_learning_rate": ("gauge", "Current learning rate."),
+    "ray_app_eval_loss": ("gauge", "Loss on the evaluation set (exact, all ranks gathered)."),
+    "ray_app_eval_accuracy": ("gauge", "Accuracy on the evaluation set (exact, all ranks gathered)."),
+    "ray_app_checkpoint_blocked_seconds": ("histogram", "Time training was blocked by writing a checkpoint."),
+    "ray_app_last_checkpoint_timestamp_seconds": ("gauge", "Unix time of the last checkpoint handed to storage."),
+    "ray_app_world_size": ("gauge", "Number of training workers."),
+    "ray_app_resumed_from_step": ("gauge", "Global step this worker group resumed from (0 = fresh start)."),
+    "ray_app_worker_group_starts_total": ("counter", "Worker-group starts in this rank-0 process (restarts show as resets plus resumed_from_step)."),
+    "ray_app_gpu_memory_allocated_bytes": ("gauge", "CUDA memory allocated by rank 0 (GPU runs only)."),
+    "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
+}
+
+
+# Discovery for the cluster of containers (docs/metrics.md): when this is set,
+# rank 0 announces its endpoint in a Prometheus file_sd file in that folder.
+SD_DIR_ENV = "RAY_APP_METRICS_SD_DIR"
+# The host Prometheus should scrape (default: this host's IP address).
+ADVERTISE_HOST_ENV = "RAY_APP_METRICS_HOST"
+
+
+def advertised_host() -> str:
+    """$RAY_APP_METRICS_HOST, else the IP this host name resolves to (a container's own IP)."""
+    host = os.environ.get(ADVERTISE_HOST_ENV, "").strip()
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+class FileSDTarget:
+    """One Prometheus file_sd file, ``ray-app-<run>.json``, naming this exporter.
+
+    Written atomically once the port is bound (a restarted worker group's new
+    rank 0 overwrites it) and deleted on a clean close, so Prometheus scrapes
+    exactly the current rank 0 and never lists idle workers as down targets.
+    """
+
+    def __init__(self, directory: str, run: str, address: str):
+        self.path = Path(directory) / f"ray-app-{run}.json"
+        self.content = json.dumps([{"targets": [address], "labels": {}}])
+
+    def write(self) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.content)
+        os.chmod(tmp, 0o644)  # Prometheus runs as another user
+        os.replace(tmp, self.path)  # atomic: Prometheus never reads a half-written file
+
+    def remove(self) -> None:
+        """Delete the file unless a newer rank 0 has already replaced it."""
+        try:
+            if self.path.read_text() == self.content:
+                self.path.unlink()
+        except OSError:
+            pass
+
+
+class NullMetrics:
+    """What non-zero ranks (and runs with metrics.enabled=false) get."""
+
+    serving_port = None
+
+    def start(self, **info) -> None: ...
+    def _announce(self, run: str) -> None:
+        """Write the file_sd target when $RAY_APP_METRICS_SD_DIR is set (compose path)."""
+        directory = os.environ.get(SD_DIR_ENV, "").strip()
+        if not directory or self.serving_port is None:
+            return
+        target = FileSDTarget(directory, run, f"{advertised_host()}:{self.serving_port}")
+        try:
+            target.write()
+            self._sd_target = target
+            log.info("metrics target announced in %s", target.path)
+        except OSError as exc:
+            log.warning("cannot write the Prometheus target file in %s (%s); metrics are served but not announced", directory, exc)
+
+    def on_step(self, step_seconds: float) -> None: ...
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None: ...
+    def on_eval(self, *, eval_loss, eval_accuracy) -> None: ...
+    def on_checkpoint(self, *, blocked_seconds) -> None: ...
+    def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
+    def close(self) -> None: ...
+
+
+class PrometheusMetrics(NullMetrics):
+    """prometheus-client exporter served by rank 0 on ``port``."""
+
+    def __init__(self, port: int, bind: str = "0.0.0.0"):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.port, self.bind = port, bind
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self._server = self._thread = self._sd_target = None
+        self.serving_port = None
+        h = {k: v[1] for k, v in METRICS.items()}
+        g = lambda name, labels=(): Gauge(name, h[name], labels, registry=reg)  # noqa: E731
+        self.info = g("ray_app_info", ("run", "model", "dataset", "version"))
+        self.train_loss = g("ray_app_train_loss")
+        self.samples = Counter("ray_app_samples_processed", h["ray_app_samples_processed_total"], registry=reg)
+        self.samples_per_second = g("ray_app_samples_per_second")
+        self.step_seconds = Histogram("ray_app_step_seconds", h["ray_app_step_seconds"], buckets=STEP_BUCKETS, registry=reg)
+        self.epoch = g("ray_app_epoch")
+        self.global_step = g("ray_app_global_step")
+        self.lr = g("ray_app_learning_rate")
+        self.eval_loss = g("ray_app_eval_loss")
+        self.eval_accuracy = g("ray_app_eval_accuracy")
+        self.ckpt_blocked = Histogram(
+            "ray_app_checkpoint_blocked_seconds", h["ray_app_checkpoint_blocked_seconds"], buckets=CKPT_BUCKETS, registry=reg
+        )
+        self.last_ckpt = g("ray_app_last_checkpoint_timestamp_seconds")
+        self.world_size = g("ray_app_world_size")
+        self.resumed_from = g("ray_app_resumed_from_step")
+        self.group_starts = Counter("ray_app_worker_group_starts", h["ray_app_worker_group_starts_total"], registry=reg)
+        self.gpu_alloc = g("ray_app_gpu_memory_allocated_bytes")
+        self.gpu_max = g("ray_app_gpu_memory_max_allocated_bytes")
+
+    def start(self, *, run, model, dataset, version, world_size, resumed_from_step, global_step=0, epoch=0, use_gpu=False):
+        self.info.labels(run=run, model=model, dataset=dataset, version=version).set(1)
+        self.world_size.set(world_size)
+        self.resumed_from.set(resumed_from_step)
+        self.global_step.set(global_step)
+        self.epoch.set(epoch)
+        self.group_starts.inc()
+        if not use_gpu:  # GPU gauges only appear on GPU runs
+            self.registry.unregister(self.gpu_alloc)
+            self.registry.unregister(self.gpu_max)
+        self._serve()
+        self._announce(run)
+
+    def _serve(self, attempts: int = 50, delay: float = 0.2) -> None:
+        """Bind the port; a just-killed predecessor may hold it for a moment."""
+        from prometheus_client import start_http_server
+
+        for i in range(attempts):
+            try:
+                self._server, self._thread = start_http_server(self.port, addr=self.bind, registry=self.registry)
+                self.serving_port = self.port
+                log.info("metrics served on %s:%d/metrics", socket.gethostname(), self.port)
+                return
+            except OSError as exc:
+                if i == attempts - 1:
+                    log.warning("metrics port %d unavailable (%s); training continues without metrics", self.port, exc)
+                    return
+                time.sleep(delay)
+
+    def _announce(self, run: str) -> None:
+        """Write the file_sd target when $RAY_APP_METRICS_SD_DIR is set (compose path)."""
+        directory = os.environ.get(SD_DIR_ENV, "").strip()
+        if not directory or self.serving_port is None:
+            return
+        target = FileSDTarget(directory, run, f"{advertised_host()}:{self.serving_port}")
+        try:
+            target.write()
+            self._sd_target = target
+            log.info("metrics target announced in %s", target.path)
+        except OSError as exc:
+            log.warning("cannot write the Prometheus target file in %s (%s); metrics are served but not announced", directory, exc)
+
+    def on_step(self, step_seconds: float) -> None:
+        self.step_seconds.observe(step_seconds)
+
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None:
+        self.epoch.set(epoch)
+        self.global_step.set(global_step)
+        self.lr.set(lr)
+        self.train_loss.set(train_loss)
+        self.samples.inc(samples)
+        self.samples_per_second.set(samples_per_second)
+
+    def on_eval(self, *, eval_loss, eval_accuracy) -> None:
+        self.eval_loss.set(eval_loss)
+        self.eval_accuracy.set(eval_accuracy)
+
+    def on_checkpoint(self, *, blocked_seconds) -> None:
+        self.ckpt_blocked.observe(blocked_seconds)
+        self.last_ckpt.set(time.time())
+
+    def on_gpu_memory(self, *, allocated, max_allocated) -> None:
+        self.gpu_alloc.set(allocated)
+        self.gpu_max.set(max_allocated)
+
+    def close(self) -> None:
+        if self._sd_target is not None:
+            self._sd_target.remove()
+            self._sd_target = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+            self.serving_port = None

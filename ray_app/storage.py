@@ -1,0 +1,266 @@
+"""Where runs live: a local folder or ``s3://bucket/prefix``.
+
+One place resolves the S3 settings (credentials only from the standard AWS
+chain, endpoint from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) and builds
+from them both the boto3 client the kit uses and the pyarrow filesystem Ray
+Train uses. Secrets are never logged: messages name the bucket and endpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class StorageError(RuntimeError):
+    """A storage problem a user can fix (bucket, credentials, endpoint, path)."""
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    bucket: str
+    prefix: str
+    endpoint: str | None  # None = AWS default endpoint
+    region: str
+
+    @classmethod
+    def resolve(cls, uri: str) -> "S3Settings":
+        parsed = urlparse(uri)
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        return cls(parsed.netloc, parsed.path.strip("/"), endpoint, region)
+
+    @property
+    def where(self) -> str:
+        return f"s3://{self.bucket}" + (f" at {self.endpoint}" if self.endpoint else "")
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class LocalStorage:
+    """Runs under a local folder."""
+
+    scheme = "file"
+
+    def __init__(self, root: str):
+        self.root = Path(root).expanduser().resolve()
+
+    def uri(self, *parts: str) -> str:
+        return str(self.root.joinpath(*[p for p in parts if p]))
+
+    def _p(self, rel: str) -> Path:
+        return self.root / rel
+
+    def list_dirs(self, rel: str) -> list[str]:
+        p = self._p(rel)
+        return sorted(c.name for c in p.iterdir() if c.is_dir()) if p.is_dir() else []
+
+    def list_files(self, rel: str) -> dict[str, int]:
+        base = self._p(rel)
+        if not base.is_dir():
+            return {}
+        return {str(f.relative_to(base)): f.stat().st_size for f in sorted(base.rglob("*")) if f.is_file()}
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._p(rel).read_bytes()
+
+    def exists(self, rel: str) -> bool:
+        return self._p(rel).exists()
+
+    def upload_file(self, local: str, rel: str) -> None:
+        dst = self._p(rel)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+        shutil.copyfile(local, tmp)
+        os.replace(tmp, dst)
+
+    def download_file(self, rel: str, local: str) -> None:
+        shutil.copyfile(self._p(rel), local)
+
+    def delete_tree(self, rel: str) -> None:
+        shutil.rmtree(self._p(rel), ignore_errors=True)
+
+    def ray_storage(self):
+        """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
+        return str(self.root), None
+
+    def ray_checkpoint_location(self, rel: str):
+        return str(self._p(rel)), None
+
+
+class S3Storage:
+    """Runs under ``s3://bucket/prefix``, reached with boto3 (and pyarrow for Ray)."""
+
+    scheme = "s3"
+
+    def __init__(self, uri: str):
+        self.settings = S3Settings.resolve(uri)
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            import boto3
+            from botocore.config import Config as BotoConfig
+
+            cfg = BotoConfig(connect_timeout=3, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"})
+            self._client = boto3.session.Session().client(
+                "s3", endpoint_url=self.settings.endpoint, region_name=self.settings.region, config=cfg
+            )
+        return self._client
+
+    def _key(self, rel: str) -> str:
+        return _join(self.settings.prefix, rel)
+
+    def uri(self, *parts: str) -> str:
+        return "s3://" + _join(self.settings.bucket, self.settings.prefix, *parts)
+
+    def list_dirs(self, rel: str) -> list[str]:
+        prefix = self._key(rel) + "/"
+        out = set()
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.settings.bucket, Prefix=prefix, Delimiter="/"
+        ):
+            for cp in page.get("CommonPrefixes", []):
+                out.add(cp["Prefix"][len(prefix):].strip("/"))
+        return sorted(out)
+
+    def list_files(self, rel: str) -> dict[str, int]:
+        prefix = self._key(rel) + "/"
+        out = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.settings.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                out[obj["Key"][len(prefix):]] = obj["Size"]
+        return dict(sorted(out.items()))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.client.get_object(Bucket=self.settings.bucket, Key=self._key(rel))["Body"].read()
+
+    def exists(self, rel: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.settings.bucket, Key=self._key(rel))
+            return True
+        except ClientError:
+            return bool(self.list_files(rel))
+
+    def upload_file(self, local: str, rel: str) -> None:
+        self.client.upload_file(local, self.settings.bucket, self._key(rel))
+
+    def download_file(self, rel: str, local: str) -> None:
+        self.client.download_file(self.settings.bucket, self._key(rel), local)
+
+    def delete_tree(self, rel: str) -> None:
+        keys = [{"Key": self._key(_join(rel, k))} for k in self.list_files(rel)]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.settings.bucket, Delete={"Objects": keys[i:i + 1000]})
+
+    def pyarrow_fs(self):
+        """The filesystem Ray Train writes with: same endpoint and region; credentials from the
+        AWS chain on each node (never serialized into Ray's run state)."""
+        import pyarrow.fs
+
+        kwargs = {"region": self.settings.region}
+        if self.settings.endpoint:
+            parsed = urlparse(self.settings.endpoint)
+            kwargs["endpoint_override"] = parsed.netloc or parsed.path
+            kwargs["scheme"] = parsed.scheme or "https"
+        return pyarrow.fs.S3FileSystem(**kwargs)
+
+    def ray_storage(self):
+        return _join(self.settings.bucket, self.settings.prefix), self.pyarrow_fs()
+
+    def ray_checkpoint_location(self, rel: str):
+        return _join(self.settings.bucket, self.settings.prefix, rel), self.pyarrow_fs()
+
+
+def open_storage(uri: str):
+    """``run.storage`` -> LocalStorage or S3Storage."""
+    return S3Storage(uri) if uri.startswith("s3://") else LocalStorage(uri)
+
+
+def split_uri(uri: str) -> tuple[object, str]:
+    """A run or checkpoint URI -> (storage of its parent, last path component)."""
+    uri = uri.rstrip("/")
+    parent, _, name = uri.rpartition("/")
+    if not name or (uri.startswith("s3://") and parent in ("s3:/", "s3:")):
+        raise StorageError(f"{uri}: expected a run or checkpoint path such as s3://bucket/prefix/run-name")
+    return open_storage(parent or "."), name
+
+
+def preflight(storage) -> None:
+    """Fail fast (StorageError, one line) unless runs can be written where configured."""
+    if isinstance(storage, LocalStorage):
+        _preflight_local(storage)
+    else:
+        _preflight_s3(storage)
+
+
+def _preflight_local(storage: LocalStorage) -> None:
+    root = storage.root
+    existing = next((p for p in [root, *root.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise StorageError(f"run.storage {root}: {existing} is a file, not a folder; point run.storage at a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".ray-app-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as exc:
+        raise StorageError(f"run.storage {root}: cannot write there ({exc.strerror}); "
+                           "choose a writable folder or fix its permissions") from None
+
+
+def _preflight_s3(storage: S3Storage) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+    s = storage.settings
+    c = storage.client
+    try:
+        c.head_bucket(Bucket=s.bucket)
+    except EndpointConnectionError:
+        raise StorageError(f"run.storage s3://{s.bucket}: cannot reach the S3 endpoint {s.endpoint or 'of AWS'}; "
+                           "check AWS_ENDPOINT_URL_S3 and that the store is running") from None
+    except NoCredentialsError:
+        raise StorageError(f"run.storage s3://{s.bucket}: no AWS credentials found; set AWS_ACCESS_KEY_ID/"
+                           "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or a role for this machine") from None
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            raise StorageError(f"run.storage s3://{s.bucket}: bucket does not exist at {s.endpoint or 'AWS'}; "
+                               f"create it (aws s3 mb s3://{s.bucket}) or fix run.storage") from None
+        if code in ("403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden") or status == 403:
+            raise StorageError(f"run.storage s3://{s.bucket}: access denied at {s.endpoint or 'AWS'} ({code}); "
+                               "check the AWS credentials and the bucket policy") from None
+        raise StorageError(f"run.storage {s.where}: {code or exc}; check the endpoint, bucket and credentials") from None
+    except BotoCoreError as exc:
+        raise StorageError(f"run.storage {s.where}: {type(exc).__name__}; check AWS_ENDPOINT_URL_S3, "
+                           "the network and credentials") from None
+    _probe_s3_write(storage)
+
+
+def _probe_s3_write(storage: S3Storage) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    s = storage.settings
+    key = _join(s.prefix, f".ray-app-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        storage.client.put_object(Bucket=s.bucket, Key=key, Body=b"probe")
+    except (ClientError, BotoCoreError) as exc:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+        raise StorageError(f"run.storage s3://{s.bucket}/{s.prefix}: cannot write under the prefix ({code}); "
+                           "grant s3:PutObject/s3:DeleteObject on it or choose another prefix") from None
+    try:
+        storage.client.delete_object(Bucket=s.bucket, Key=key)
+    except (ClientError, BotoCoreError) as exc:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+        raise StorageError(f"run.storage s3://{s.bucket}/{s.prefix}: can write but not delete ({code}); "
+                           "grant s3:DeleteObject so old checkpoints can be pruned") from None
