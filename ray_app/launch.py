@@ -141,7 +141,7 @@ def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
 
 
 def build_trainer(cfg: Config, storage):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     storage_path, fs = storage.ray_storage()
@@ -158,6 +158,8 @@ def build_trainer(cfg: Config, storage):
             name=cfg.run.name, storage_path=storage_path, storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            # Ray Train's own INFO lines (every report, every rank) drown the progress lines
+            logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),
         ),
     )
 

@@ -139,6 +139,9 @@ class PrometheusMetrics(NullMetrics):
         self.lr = g("ray_app_learning_rate")
         self.eval_loss = g("ray_app_eval_loss")
         self.eval_accuracy = g("ray_app_eval_accuracy")
+        # NaN until this worker group's first eval: dashboards show a gap, not a fake 0% accuracy.
+        self.eval_loss.set(float("nan"))
+        self.eval_accuracy.set(float("nan"))
         self.ckpt_blocked = Histogram(
             "ray_app_checkpoint_blocked_seconds", h["ray_app_checkpoint_blocked_seconds"], buckets=CKPT_BUCKETS, registry=reg
         )
