@@ -198,16 +198,22 @@ def _export(args) -> int:
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints}
 
 
+def _checkpoint_error() -> tuple:
+    # ray_app.checkpoint imports torch (seconds): a config error must not wait for that
+    mod = sys.modules.get("ray_app.checkpoint")
+    return (mod.CheckpointError,) if mod else ()
+
+
 def main(argv: list[str] | None = None) -> int:
-    from ray_app.checkpoint import CheckpointError
+    args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
+
     from ray_app.config import ConfigError
     from ray_app.launch import TrainingFailed, UserError
     from ray_app.storage import StorageError
 
-    args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, StorageError, CheckpointError, UserError) as exc:
+    except (ConfigError, StorageError, UserError, *_checkpoint_error()) as exc:
         print(f"ray-app: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TrainingFailed as exc:

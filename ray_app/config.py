@@ -9,6 +9,7 @@ fix (the CLI turns it into one line on stderr and exit code 2).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ class TrainSection:
     amp: bool = _f(False, "bf16 autocast on CUDA (ignored on CPU).")
     log_every_steps: int = _f(20, "Optimizer steps between progress lines and metric updates.", min=1)
     bucket_cap_mb: int = _f(25, "DDP gradient bucket size in MB.", min=1)
-    max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs).", min=0)
+    max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)
 
 
 @dataclass
@@ -133,6 +134,13 @@ def _coerce(key: str, value: Any, fld: dataclasses.Field) -> Any:
     )
     if t is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value, ok = str(value), True
+    if t is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            value, ok = float(value), True
+        except ValueError:
+            pass
+    if t is float and ok and not math.isfinite(value):
+        raise ConfigError(f"config key {key}: expected a finite number, got {value!r}")
     if not ok:
         raise ConfigError(f"config key {key}: expected {_type_name(t)}, got {value!r}")
     if t is float:
@@ -166,6 +174,12 @@ def _apply(cfg: Config, tree: dict, origin: str) -> None:
             setattr(obj, key, _coerce(f"{section}.{key}", value, fields[key]))
 
 
+def _field(section: str, key: str) -> dataclasses.Field | None:
+    if section not in SECTIONS:
+        return None
+    return {f.name: f for f in dataclasses.fields(_section_class(section)())}.get(key)
+
+
 def parse_override(text: str) -> dict:
     """``a.b=value`` -> ``{"a": {"b": value}}``, value parsed as a YAML scalar."""
     if "=" not in text:
@@ -174,6 +188,9 @@ def parse_override(text: str) -> dict:
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"--set {text!r}: KEY must be section.key, for example train.epochs")
+    fld = _field(parts[0], parts[1])
+    if fld is not None and fld.type == "str":
+        return {parts[0]: {parts[1]: raw.strip()}}  # taken as written: run.name=007 stays "007"
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:

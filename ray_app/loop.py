@@ -158,9 +158,9 @@ class Trainer:
         self.eval_loader = self._loader(eval_set, self.eval_sampler, None)
         self.batches_per_epoch = math.ceil(self.train_sampler.num_samples / cfg.data.batch_size)
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.train.grad_accum)
+        # the LR schedule is planned for all epochs; train.max_steps only stops early
+        # (like a preemption), so a run stopped that way resumes onto the same schedule
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
-        if cfg.train.max_steps:
-            self.total_steps = min(self.total_steps, cfg.train.max_steps)
         self._build_optimizer()
 
     def _loader(self, dataset, sampler, generator) -> DataLoader:

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `make deploy`: apply the manifests `make render` prints to the current
+# kubectl context. Usage: deploy.sh MANIFESTS_FILE
+#   1. checks that the KubeRay CRDs are installed
+#   2. the namespace, then the Ray auth-token Secret when the manifests use
+#      one (authOptions.secretName) and it is missing: random, never printed
+#   3. the manifests; then k8s/monitoring when the prometheus-operator CRDs exist
+set -euo pipefail
+
+manifests=${1:?usage: deploy.sh MANIFESTS_FILE}
+: "${K8S_NAMESPACE:=ray-app}" "${KUBECTL:=kubectl}"
+cd "$(dirname "$0")/../.."  # the repository root
+RAYJOB=ray-app-train
+AUTH_SECRET=ray-app-auth-token
+
+command -v "${KUBECTL%% *}" >/dev/null || { echo "deploy: kubectl not found" >&2; exit 2; }
+echo "==> context $($KUBECTL config current-context 2>/dev/null || echo '?'), namespace $K8S_NAMESPACE"
+if ! $KUBECTL get crd rayjobs.ray.io >/dev/null 2>&1; then
+  echo "deploy: the KubeRay CRDs are not installed in this cluster; on kind run 'make kind-up'," \
+       "elsewhere install the KubeRay operator >= 1.5.1 (docs/kubernetes.md)" >&2
+  exit 2
+fi
+
+$KUBECTL apply -f k8s/base/namespace.yaml
+
+if grep -q "secretName: $AUTH_SECRET" "$manifests" &&
+   ! $KUBECTL -n "$K8S_NAMESPACE" get secret "$AUTH_SECRET" >/dev/null 2>&1; then
+  od -An -tx1 -N32 /dev/urandom | tr -d ' \n' |
+    $KUBECTL -n "$K8S_NAMESPACE" create secret generic "$AUTH_SECRET" --from-file=auth_token=/dev/stdin >/dev/null
+  echo "created Secret $K8S_NAMESPACE/$AUTH_SECRET (a random Ray auth token, not printed)"
+fi
+if ! $KUBECTL -n "$K8S_NAMESPACE" get secret ray-app-s3 >/dev/null 2>&1; then
+  echo "note: no Secret $K8S_NAMESPACE/ray-app-s3; the pods use IRSA / workload identity or an" \
+       "instance role for S3 (create it as docs/kubernetes.md shows otherwise)"
+fi
+if $KUBECTL -n "$K8S_NAMESPACE" get rayjob "$RAYJOB" >/dev/null 2>&1; then
+  echo "note: RayJob $RAYJOB already exists; a finished job does not start again." \
+       "'make undeploy deploy' starts a new attempt (the same run.name resumes from S3)"
+fi
+
+$KUBECTL apply -f "$manifests"
+
+if $KUBECTL get crd podmonitors.monitoring.coreos.com prometheusrules.monitoring.coreos.com >/dev/null 2>&1; then
+  $KUBECTL kustomize k8s/monitoring | $KUBECTL apply -f -
+else
+  echo "note: no prometheus-operator CRDs: PodMonitors, rules and dashboard (k8s/monitoring) skipped"
+fi
+echo "deployed; follow it with: make status, make k8s-logs"

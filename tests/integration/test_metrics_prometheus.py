@@ -1,0 +1,275 @@
+"""A real Prometheus scrapes a real 2-worker training run.
+
+Debian's `prometheus` runs on 127.0.0.1 with a 1 s scrape interval, the
+shipped alert rules, and the compose path's discovery: rank 0 writes its own
+file_sd target (RAY_APP_METRICS_SD_DIR) and Prometheus finds it there. One
+`ray-app train` run (local Ray, 2 CPU workers) serves the whole module; the
+tests run in order: scrape, one exporter, kill rank 0, clean end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "monitoring" / "rules" / "ray-app.rules.yml"
+RUN = "metrics-it"
+
+
+def require(binary: str) -> str:
+    path = shutil.which(binary)
+    if path:
+        return path
+    if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
+        pytest.fail(f"{binary} is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
+    pytest.skip(f"{binary} not installed (apt-get install -y prometheus)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.5, on_timeout=lambda: ""):
+    """Poll ``check()`` until it returns something truthy; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{on_timeout()}")
+
+
+def listeners(port: int) -> list[int]:
+    """PIDs of the processes listening on TCP ``port`` (any address)."""
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return sorted({int(p) for p in re.findall(r"pid=(\d+)", out)})
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under ``root`` (the ray-app driver: raylet, workers, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, sd_dir: Path):
+        self.port = free_port()
+        config = tmp / "prometheus.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [{"job_name": "ray-app",
+                                "file_sd_configs": [{"files": [str(sd_dir / "ray-app-*.json")], "refresh_interval": "5s"}]}],
+        }))
+        self.log = tmp / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [require("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        wait_for("Prometheus to be ready", self.ready, timeout=60, on_timeout=self.log.read_text)
+
+    def get(self, path: str, **params) -> dict:
+        url = f"http://127.0.0.1:{self.port}{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> list[tuple[dict, float]]:
+        """Instant query: [(labels, value), ...]."""
+        return [(r["metric"], float(r["value"][1])) for r in self.get("/api/v1/query", query=expr)["result"]]
+
+    def scalar(self, expr: str) -> float | None:
+        rows = self.query(expr)
+        assert len(rows) <= 1, f"{expr}: more than one series: {rows}"
+        return rows[0][1] if rows else None
+
+    def targets(self) -> list[dict]:
+        return self.get("/api/v1/targets", state="active")["activeTargets"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class TrainingRun:
+    """``ray-app train`` in a subprocess, long enough (~1-2 min) for every check below."""
+
+    def __init__(self, tmp: Path, sd_dir: Path, metrics_port: int):
+        self.port, self.sd_dir = metrics_port, sd_dir
+        self.sd_file = sd_dir / f"ray-app-{RUN}.json"
+        self.log = tmp / "train.log"
+        ray_app = Path(sys.executable).with_name("ray-app")
+        cmd = [str(ray_app)] if ray_app.exists() else [sys.executable, "-m", "ray_app"]
+        overrides = {
+            "run.name": RUN, "run.storage": str(tmp / "runs"),
+            "data.name": "synthetic", "data.num_samples": 4096, "model.name": "mlp",
+            "train.epochs": 10, "train.log_every_steps": 5,
+            "checkpoint.every_steps": 20, "checkpoint.every_epochs": 1,
+            "scaling.num_workers": 2, "failure.max_failures": 2,
+            "metrics.port": metrics_port,
+        }
+        for key, value in overrides.items():
+            cmd += ["--set", f"{key}={value}"]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not someone's cluster
+        env.update({"RAY_APP_METRICS_SD_DIR": str(sd_dir), "RAY_APP_METRICS_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"})
+        self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGINT)  # Ray's driver shuts its local cluster down on Ctrl-C
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # our own session only
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("metrics-it")
+    sd_dir = tmp / "targets"
+    sd_dir.mkdir()
+    prom = Prometheus(tmp, sd_dir)
+    run = TrainingRun(tmp, sd_dir, free_port())
+    try:
+        yield prom, run
+    finally:
+        run.stop()
+        prom.stop()
+
+
+def serving(prom: Prometheus, run: TrainingRun, timeout: float = 240) -> None:
+    """Wait until Prometheus scrapes rank 0 successfully and has a global step above 0."""
+    def check():
+        assert run.alive() or run.proc.returncode == 0, f"training exited with {run.proc.returncode}\n{run.tail()}"
+        step = prom.scalar('ray_app_global_step{job="ray-app"}')
+        return step is not None and step > 0
+    wait_for("Prometheus to scrape a global step from rank 0", check, timeout,
+             on_timeout=lambda: f"targets: {prom.targets()}\n{run.tail()}")
+
+
+def test_prometheus_scrapes_loss_throughput_and_a_growing_step(stack):
+    prom, run = stack
+    serving(prom, run)
+    assert [t["labels"]["instance"] for t in prom.targets()] == [f"127.0.0.1:{run.port}"]
+    t0 = time.monotonic()
+    first = prom.scalar("ray_app_global_step")
+    loss = wait_for("a train loss", lambda: [v for _, v in prom.query("ray_app_train_loss") if v > 0], 60)
+    assert 0 < loss[0] < 10
+    assert prom.scalar("ray_app_samples_per_second") > 0
+    assert prom.scalar("ray_app_world_size") == 2
+    (info, _), = prom.query("ray_app_info")
+    assert (info["run"], info["model"], info["dataset"]) == (RUN, "mlp", "synthetic")
+    second = wait_for("the global step to grow between scrapes",
+                      lambda: (s := prom.scalar("ray_app_global_step")) is not None and s > first and s, 60)
+    print(f"global step {first:.0f} -> {second:.0f} in {time.monotonic() - t0:.1f}s; loss {loss[0]:.3f}")
+    # the shipped rules load and evaluate against real series
+    groups = prom.get("/api/v1/rules")["groups"]
+    assert {r["health"] for g in groups for r in g["rules"]} == {"ok"}, groups
+    wait_for("the recorded throughput", lambda: prom.scalar("ray_app:samples_processed:rate1m"), 30)
+
+
+def test_exactly_one_process_serves_metrics(stack):
+    prom, run = stack
+    serving(prom, run)
+    workers = [p for p in descendants(run.proc.pid) if cmdline(p).startswith("ray::RayTrainWorker")]
+    serving_pids = listeners(run.port)
+    assert len(workers) == 2, [cmdline(p) for p in workers]
+    assert len(serving_pids) == 1 and serving_pids[0] in workers, (serving_pids, workers)
+    assert json.loads(run.sd_file.read_text()) == [{"targets": [f"127.0.0.1:{run.port}"], "labels": {}}]
+    assert len(prom.targets()) == 1 and len(prom.query("ray_app_info")) == 1
+
+
+def test_killed_rank0_comes_back_and_reports_resumed_step(stack):
+    prom, run = stack
+    serving(prom, run)
+    wait_for("a committed checkpoint", lambda: prom.scalar("ray_app_last_checkpoint_timestamp_seconds or vector(0)") > 0, 120)
+    step_before = prom.scalar("ray_app_global_step")
+    (rank0,) = listeners(run.port)
+    assert cmdline(rank0).startswith("ray::RayTrainWorker")
+    t_kill = time.monotonic()
+    os.kill(rank0, signal.SIGKILL)
+
+    def new_rank0():
+        pids = listeners(run.port)
+        return pids if pids and pids != [rank0] else None
+    pids = wait_for("a new rank 0 serving the metrics port", new_rank0, 240, on_timeout=run.tail)
+    assert len(pids) == 1 and cmdline(pids[0]).startswith("ray::RayTrainWorker")
+    resumed = wait_for("Prometheus to see ray_app_resumed_from_step > 0",
+                       lambda: prom.scalar("ray_app_resumed_from_step > 0"), 120, on_timeout=run.tail)
+    print(f"rank 0 pid {rank0} killed at step {step_before:.0f}; pid {pids[0]} serves again after "
+          f"{time.monotonic() - t_kill:.1f}s, resumed from step {resumed:.0f}")
+    assert 0 < resumed <= step_before + 20
+    wait_for("training to continue after the restart", lambda: (prom.scalar("ray_app_global_step") or 0) > resumed, 120)
+    alerts = prom.get("/api/v1/alerts")["alerts"]
+    assert "RayAppWorkerGroupResumed" in {a["labels"]["alertname"] for a in alerts}, alerts
+    assert len(prom.targets()) == 1  # the same single target, never a stale second one
+
+
+def test_clean_end_withdraws_the_target(stack):
+    prom, run = stack
+    run.proc.wait(timeout=600)
+    assert run.proc.returncode == 0, run.tail()
+    summary = json.loads(run.log.read_text().strip().splitlines()[-1])
+    assert summary["resumed_from_step"] > 0
+    assert not run.sd_file.exists()
+    wait_for("Prometheus to drop the finished run's target", lambda: prom.targets() == [], 30)
+    assert listeners(run.port) == []

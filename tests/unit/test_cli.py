@@ -1,0 +1,184 @@
+"""`python -m ray_app` as a user runs it: exit codes, one-line errors, help, checkpoint commands.
+
+No Ray is started here: every command either fails on bad input before Ray
+or only reads checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_YAML = str(REPO / "configs" / "local.yaml")
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
+    """A real committed checkpoint of a tiny model under storage_root/run/."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    payload = CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler={}, scaler={},
+                                rng_per_rank=[capture_rng_state()],
+                                state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
+                                config={}, metrics={"eval_accuracy": 0.5, "global_step": step})
+    path = storage_root / run / checkpoint_dir_name(step)
+    write_checkpoint_dir(path, payload)
+    return path
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.epoch=3"], "train.epoch"),
+    (["bogus.key=1"], "bogus"),
+    (["train.epochs=abc"], "train.epochs"),
+    (["train.epochs=-1"], "train.epochs"),
+    (["data.batch_size=0"], "data.batch_size"),
+    (["scaling.use_gpu=maybe"], "scaling.use_gpu"),
+    (["metrics.port=70000"], "metrics.port"),
+    (["train.optimizer=rmsprop"], "train.optimizer"),
+    (["data.name=mnist"], "data.name"),
+    (["data.name=imagefolder"], "data.path"),
+    (["run.storage=gs://b/p"], "run.storage"),
+    (["run.storage=s3://"], "run.storage"),
+    (["train.epochs"], "train.epochs"),
+])
+def test_bad_config_exits_2_with_one_line_and_creates_nothing(run_cli, tmp_path, overrides, key):
+    args = ["train", "--config", LOCAL_YAML]
+    for o in overrides:
+        args += ["--set", o]
+    rc, out, err = run_cli(args, cwd=tmp_path, timeout=60)
+    assert rc == 2, (out, err)
+    line = one_error_line(err)
+    assert key in line and line.startswith("ray-app: error:")
+    assert out == ""
+    assert not (tmp_path / "runs").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_model_exits_2_before_ray(run_cli, tmp_path):
+    rc, out, err = run_cli(["train", "--config", LOCAL_YAML, "--set", "model.name=resnet9000",
+                            "--set", f"run.storage={tmp_path / 'runs'}"], cwd=tmp_path, timeout=60)
+    assert rc == 2
+    assert "model.name" in one_error_line(err)
+    assert not (tmp_path / "runs" / "digits-ddp").exists()
+
+
+def test_malformed_yaml_exits_2(run_cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: [3\n")
+    rc, _, err = run_cli(["train", "--config", str(bad)], cwd=tmp_path, timeout=60)
+    assert rc == 2
+    assert str(bad) in one_error_line(err)
+
+
+def test_missing_config_file_exits_2(run_cli, tmp_path):
+    rc, out, err = run_cli(["train", "--config", str(tmp_path / "nope.yaml")], cwd=tmp_path, timeout=60)
+    assert rc == 2
+    line = one_error_line(err)
+    assert "nope.yaml" in line and "no such file" in line
+
+
+def test_unknown_option_exits_2_without_traceback(run_cli):
+    rc, _, err = run_cli(["train", "--epochs", "3"], timeout=60)
+    assert rc == 2
+    assert "Traceback" not in err and "--epochs" in err
+
+
+def test_help_lists_the_commands(run_cli):
+    rc, out, err = run_cli(["--help"], timeout=60)
+    assert rc == 0, err
+    for cmd in ("train", "eval", "checkpoints", "preflight"):
+        assert cmd in out
+
+
+def test_train_help_lists_config_and_set(run_cli):
+    rc, out, _ = run_cli(["train", "--help"], timeout=60)
+    assert rc == 0
+    assert "--config" in out and "--set" in out and "--summary" in out
+
+
+def test_version(run_cli):
+    rc, out, _ = run_cli(["--version"], timeout=60)
+    assert rc == 0 and out.startswith("ray-app ")
+
+
+@pytest.mark.parametrize("action", ["list", "verify", "export"])
+def test_checkpoint_commands_on_missing_run_exit_2(run_cli, tmp_path, action):
+    args = ["checkpoints", action, str(tmp_path / "runs" / "no-such-run")]
+    if action == "export":
+        args += ["--out", str(tmp_path / "model.pt")]
+    rc, _, err = run_cli(args, timeout=60)
+    assert rc == 2
+    assert "no-such-run" in one_error_line(err)
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_eval_of_missing_checkpoint_exits_2(run_cli, tmp_path):
+    rc, _, err = run_cli(["eval", "--checkpoint", str(tmp_path / "runs" / "no-such-run")], timeout=120)
+    assert rc == 2
+    assert "no-such-run" in one_error_line(err)
+
+
+def test_checkpoints_list_verify_export_on_a_good_run(run_cli, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "runs")
+    run_uri = str(tmp_path / "runs" / "r1")
+    rc, out, err = run_cli(["checkpoints", "list", run_uri], timeout=60)
+    assert rc == 0, err
+    assert ckpt.name in out and "verified" in out and "step 7" in out
+    rc, out, err = run_cli(["checkpoints", "list", run_uri, "--json"], timeout=60)
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == [ckpt.name] and rows[0]["verified"] is True
+    rc, _, err = run_cli(["checkpoints", "verify", run_uri], timeout=60)
+    assert rc == 0, err
+    out_file = tmp_path / "exported.pt"
+    rc, out, err = run_cli(["checkpoints", "export", run_uri, "--out", str(out_file)], timeout=60)
+    assert rc == 0, err
+    exported = torch.load(out_file, weights_only=True)
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(4, 3).state_dict()
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    assert json.loads(out.splitlines()[-1])["global_step"] == 7
+
+
+def test_export_refuses_to_overwrite(run_cli, tmp_path):
+    make_checkpoint(tmp_path / "runs")
+    out_file = tmp_path / "model.pt"
+    out_file.write_bytes(b"precious")
+    rc, _, err = run_cli(["checkpoints", "export", str(tmp_path / "runs" / "r1"), "--out", str(out_file)],
+                         timeout=60)
+    assert rc == 2
+    assert str(out_file) in one_error_line(err) and "--force" in err
+    assert out_file.read_bytes() == b"precious"
+    rc, _, err = run_cli(["checkpoints", "export", str(tmp_path / "runs" / "r1"), "--out", str(out_file),
+                          "--force"], timeout=60)
+    assert rc == 0, err
+    assert out_file.read_bytes() != b"precious"
+    assert "weight" in torch.load(out_file, weights_only=True)
+
+
+def test_verify_of_a_tampered_checkpoint_exits_2(run_cli, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "runs")
+    data = bytearray((ckpt / "model.pt").read_bytes())
+    data[-10] ^= 0xFF
+    (ckpt / "model.pt").write_bytes(bytes(data))
+    rc, out, err = run_cli(["checkpoints", "verify", str(tmp_path / "runs" / "r1")], timeout=60)
+    assert rc == 2
+    assert "model.pt" in out and "NOT VERIFIED" in out
+    assert "failed verification" in one_error_line(err)
+    rc, _, err = run_cli(["checkpoints", "export", str(ckpt), "--out", str(tmp_path / "m.pt")], timeout=60)
+    assert rc == 2
+    assert "model.pt" in one_error_line(err)
+    assert not (tmp_path / "m.pt").exists()

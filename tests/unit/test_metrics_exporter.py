@@ -1,0 +1,254 @@
+"""The rank-0 exporter as Prometheus sees it: real HTTP, real promtool, no Ray.
+
+Each test starts a `PrometheusMetrics` on a free loopback port, feeds it the
+calls the train loop makes, and reads http://127.0.0.1:PORT/metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from ray_app import __version__
+from ray_app.metrics import ADVERTISE_HOST_ENV, METRICS, SD_DIR_ENV, PrometheusMetrics
+
+GPU_METRICS = {"ray_app_gpu_memory_allocated_bytes", "ray_app_gpu_memory_max_allocated_bytes"}
+
+
+def promtool() -> str:
+    """Path of promtool; skip without it, unless CI says Prometheus must be there."""
+    path = shutil.which("promtool")
+    if path:
+        return path
+    if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
+        pytest.fail("promtool is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
+    pytest.skip("promtool not installed (apt-get install -y prometheus)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def drive(m: PrometheusMetrics, use_gpu: bool = True, run: str = "unit-run") -> None:
+    """The calls one short run makes, in the loop's order."""
+    m.start(run=run, model="mlp", dataset="digits", version=__version__, world_size=2,
+            resumed_from_step=40, global_step=40, epoch=1, use_gpu=use_gpu)
+    for step in range(41, 61):
+        m.on_step(0.012)
+        if step % 10 == 0:
+            m.on_progress(epoch=1, global_step=step, lr=0.05, train_loss=0.7, samples=640, samples_per_second=5120.0)
+    if use_gpu:
+        m.on_gpu_memory(allocated=123_456_789, max_allocated=234_567_890)
+    m.on_eval(eval_loss=0.3, eval_accuracy=0.91)
+    m.on_checkpoint(blocked_seconds=0.08)
+
+
+@pytest.fixture
+def exporter():
+    """A started exporter with every metric (GPU gauges included) and its /metrics text."""
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m)
+    yield m, scrape(m.serving_port)
+    m.close()
+
+
+def sample_names(text: str) -> set[str]:
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_promtool_check_metrics_reports_no_problems(exporter):
+    _, text = exporter
+    out = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+
+
+def test_every_contract_metric_is_served_with_help_and_type(exporter):
+    _, text = exporter
+    for name, (kind, help_text) in METRICS.items():
+        assert name.startswith("ray_app_")
+        assert f"# HELP {name} {help_text}" in text, f"{name}: no HELP line"
+        assert f"# TYPE {name} {kind}" in text, f"{name}: no TYPE {kind} line"
+
+
+def test_values_follow_the_calls(exporter):
+    m, text = exporter
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    v = lambda name: values[(name, ())]  # noqa: E731
+    assert v("ray_app_global_step") == 60 and v("ray_app_epoch") == 1
+    assert v("ray_app_train_loss") == 0.7 and v("ray_app_samples_per_second") == 5120.0
+    assert v("ray_app_samples_processed_total") == 2 * 640
+    assert v("ray_app_step_seconds_count") == 20
+    assert v("ray_app_eval_accuracy") == 0.91 and v("ray_app_eval_loss") == 0.3
+    assert v("ray_app_checkpoint_blocked_seconds_count") == 1
+    assert v("ray_app_last_checkpoint_timestamp_seconds") > 1.6e9
+    assert v("ray_app_world_size") == 2 and v("ray_app_resumed_from_step") == 40
+    assert v("ray_app_worker_group_starts_total") == 1
+    assert v("ray_app_gpu_memory_allocated_bytes") == 123_456_789
+    info = [k for k in values if k[0] == "ray_app_info"]
+    assert info == [("ray_app_info", (("dataset", "digits"), ("model", "mlp"), ("run", "unit-run"), ("version", __version__)))]
+
+
+def test_eval_gauges_are_nan_until_the_first_eval():
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    m.start(run="r", model="mlp", dataset="digits", version=__version__, world_size=2, resumed_from_step=0)
+    try:
+        text = scrape(m.serving_port)
+        assert "ray_app_eval_accuracy NaN" in text and "ray_app_eval_loss NaN" in text
+    finally:
+        m.close()
+
+
+# Non-base units Prometheus' naming guide and promtool reject.
+NON_BASE_UNITS = {"ms", "millis", "milliseconds", "us", "microseconds", "ns", "nanoseconds", "minutes", "hours", "days",
+                  "kb", "mb", "gb", "kib", "mib", "gib", "kilobytes", "megabytes", "gigabytes", "bits", "percent"}
+
+
+@pytest.mark.parametrize("name", sorted(METRICS))
+def test_names_use_base_units(name):
+    kind = METRICS[name][0]
+    words = name.split("_")
+    assert not NON_BASE_UNITS & set(words), f"{name}: use seconds / bytes / ratios"
+    if kind == "counter":
+        assert name.endswith("_total"), f"{name}: counters end in _total"
+    else:
+        assert not name.endswith("_total"), f"{name}: only counters end in _total"
+    if {"time", "timestamp", "duration", "age"} & set(words) or kind == "histogram":
+        assert name.endswith("_seconds"), f"{name}: times are in seconds"
+    if "memory" in words:
+        assert name.endswith("_bytes"), f"{name}: memory is in bytes"
+    assert re.fullmatch(r"ray_app_[a-z0-9_]+", name)
+
+
+def test_gpu_gauges_only_on_gpu_runs():
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m, use_gpu=False)
+    try:
+        served = sample_names(scrape(m.serving_port))
+    finally:
+        m.close()
+    assert not GPU_METRICS & served
+    for name, (kind, _) in METRICS.items():
+        if name not in GPU_METRICS:
+            assert (name + "_count" if kind == "histogram" else name) in served, name
+
+
+def test_two_exporters_in_one_process_do_not_collide():
+    """A restarted worker group in the same process builds a new exporter: no 'Duplicated timeseries'."""
+    first = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(first, run="first")
+    second = PrometheusMetrics(port=free_port(), bind="127.0.0.1")  # would raise ValueError on a shared registry
+    drive(second, run="second")
+    try:
+        assert 'run="first"' in scrape(first.serving_port)
+        assert 'run="second"' in scrape(second.serving_port)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_close_frees_the_port_for_the_next_worker_group():
+    port = free_port()
+    m = PrometheusMetrics(port=port, bind="127.0.0.1")
+    drive(m)
+    assert m.serving_port == port and "ray_app_global_step" in scrape(port)
+    m.close()
+    assert m.serving_port is None
+    with pytest.raises(OSError):  # nothing listens any more
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    again = PrometheusMetrics(port=port, bind="127.0.0.1")
+    drive(again, run="after-restart")
+    try:
+        assert again.serving_port == port
+        assert 'run="after-restart"' in scrape(port)
+    finally:
+        again.close()
+
+
+def test_rank0_announces_itself_in_a_file_sd_target(tmp_path, monkeypatch):
+    """Compose discovery: $RAY_APP_METRICS_SD_DIR gets one target while rank 0 serves, none after a clean close."""
+    monkeypatch.setenv(SD_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(ADVERTISE_HOST_ENV, "10.0.0.7")
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m, run="sd-run")
+    target = tmp_path / "ray-app-sd-run.json"
+    assert json.loads(target.read_text()) == [{"targets": [f"10.0.0.7:{m.serving_port}"], "labels": {}}]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # readable by Prometheus' own user
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]  # no temp files left behind
+    m.close()
+    assert not target.exists()
+
+
+def test_close_keeps_a_newer_rank0s_target(tmp_path, monkeypatch):
+    monkeypatch.setenv(SD_DIR_ENV, str(tmp_path))
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m, run="moved")
+    target = tmp_path / "ray-app-moved.json"
+    newer = json.dumps([{"targets": ["10.0.0.9:9500"], "labels": {}}])
+    target.write_text(newer)  # the restarted group's rank 0, on another container
+    m.close()
+    assert target.read_text() == newer
+
+
+def test_no_target_file_without_the_env(tmp_path, monkeypatch):
+    monkeypatch.delenv(SD_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m)
+    m.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the dashboard and the alert rules use only names the exporter serves ---
+
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+NAME = re.compile(r"(?<![\w:])ray_app_[A-Za-z0-9_]*")  # ray_app:... are recording rules, not exporter names
+
+
+def dashboard_queries() -> list[str]:
+    dash = json.loads((MONITORING / "grafana" / "ray-app-dashboard.json").read_text())
+    panels = [p for top in dash["panels"] for p in [top, *top.get("panels", [])]]
+    queries = [t["expr"] for p in panels for t in p.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        q = var.get("query")
+        queries.append(q.get("query", "") if isinstance(q, dict) else q or "")
+    return queries
+
+
+def rule_queries() -> list[str]:
+    rules = yaml.safe_load((MONITORING / "rules" / "ray-app.rules.yml").read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+@pytest.mark.parametrize("source", ["dashboard", "rules"])
+def test_queries_use_only_names_the_exporter_serves(exporter, source):
+    _, text = exporter
+    served = sample_names(text)
+    queries = dashboard_queries() if source == "dashboard" else rule_queries()
+    used = {name for q in queries for name in NAME.findall(q)}
+    assert used, "no ray_app_ names found: the parser is broken"
+    assert sorted(used - served) == [], f"{source} uses names the exporter does not serve"
+
+
+def test_dashboard_covers_the_contract():
+    """Every metric in METRICS has a panel (directly or via its _bucket/_sum/_count/_created series)."""
+    used = {name for q in dashboard_queries() for name in NAME.findall(q)}
+    base = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in used}
+    assert sorted(set(METRICS) - used - base - {b + "_total" for b in base}) == []
