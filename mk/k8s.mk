@@ -60,6 +60,13 @@ status: ## Show the RayJob, its RayCluster and pods
 k8s-logs: ## Follow the training job's output (the submitter tails `ray job logs`)
 	$(KUBECTL) -n $(K8S_NAMESPACE) logs --follow --tail=200 job/ray-app-train
 
+.PHONY: k8s-dashboard
+k8s-dashboard: ## Forward the Ray dashboard and job API to http://127.0.0.1:8265 (token: docs/kubernetes.md)
+	@cluster=$$($(KUBECTL) -n $(K8S_NAMESPACE) get rayjob ray-app-train -o jsonpath='{.status.rayClusterName}' 2>/dev/null); \
+	test -n "$$cluster" || { echo "no RayCluster for ray-app-train yet: make status" >&2; exit 1; }; \
+	echo "Ray dashboard of $$cluster: http://127.0.0.1:8265 (Ctrl-C stops)"; \
+	$(KUBECTL) -n $(K8S_NAMESPACE) port-forward --address 127.0.0.1 svc/$$cluster-head-svc 8265:8265
+
 .PHONY: kind-down
 kind-down: ## Delete the kind cluster (MinIO's checkpoints go with it)
 	kind delete cluster --name $(KIND_CLUSTER)

@@ -204,8 +204,13 @@ class LoadedCheckpoint:
     config: dict
 
 
-def _load_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+def _load_bytes(data: bytes, where: str = "checkpoint file"):
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # e.g. a pickled object weights_only refuses: bad input, not a crash
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{where} cannot be loaded with torch.load(weights_only=True) "
+                              f"({type(exc).__name__}: {first}); it is not a plain ray_app checkpoint") from None
 
 
 def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool = False) -> LoadedCheckpoint:
@@ -221,17 +226,20 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
             raise CheckpointError(f"checkpoint {storage.uri(rel)}: {name} changed after verification")
         return data
 
-    model = _load_bytes(read("model.pt"))
+    def load(name: str):
+        return _load_bytes(read(name), f"{storage.uri(rel)}/{name}")
+
+    model = load("model.pt")
     state = json.loads(read("state.json"))
     config = json.loads(read("config.json"))
     if model_only:
         return LoadedCheckpoint(storage.uri(rel), model, {}, {}, {}, None, state, config)
     rng_name = f"rng/rank_{rank}.pt"
-    rng = _load_bytes(read(rng_name)) if rank is not None and rng_name in files else None
+    rng = load(rng_name) if rank is not None and rng_name in files else None
     return LoadedCheckpoint(
-        storage.uri(rel), model, _load_bytes(read("optimizer.pt")),
-        _load_bytes(read("scheduler.pt")) if "scheduler.pt" in files else {},
-        _load_bytes(read("scaler.pt")) if "scaler.pt" in files else {},
+        storage.uri(rel), model, load("optimizer.pt"),
+        load("scheduler.pt") if "scheduler.pt" in files else {},
+        load("scaler.pt") if "scaler.pt" in files else {},
         rng, state, config,
     )
 

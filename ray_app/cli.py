@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -193,6 +194,10 @@ def _export(args) -> int:
     print(json.dumps({"checkpoint": loaded.uri, "out": str(out), "tensors": len(loaded.model),
                       "global_step": loaded.state.get("global_step")}))
     return EXIT_OK
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints}

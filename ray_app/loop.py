@@ -155,7 +155,9 @@ class Trainer:
         self.eval_indices = torch.tensor(list(iter(self.eval_sampler)))
         self.loader_gen = torch.Generator()  # reseeded every epoch: never touches the global RNG
         self.train_loader = self._loader(train_set, self.train_sampler, self.loader_gen)
-        self.eval_loader = self._loader(eval_set, self.eval_sampler, None)
+        # its own generator too: iterating a DataLoader draws a seed, and evaluation
+        # must not move the training RNG (or a resumed run would diverge)
+        self.eval_loader = self._loader(eval_set, self.eval_sampler, torch.Generator().manual_seed(cfg.run.seed))
         self.batches_per_epoch = math.ceil(self.train_sampler.num_samples / cfg.data.batch_size)
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.train.grad_accum)
         # the LR schedule is planned for all epochs; train.max_steps only stops early

@@ -53,11 +53,10 @@ def build_model(name: str, info: DataInfo) -> nn.Module:
     if name not in torchvision.models.list_models(module=torchvision.models):
         raise ConfigError(f"config key model.name: unknown model {name!r}; use {', '.join(BUILTIN)} "
                           "or a torchvision classifier such as resnet18")
-    model = torchvision.models.get_model(name, weights=None, num_classes=info.num_classes)
-    if info.channels != 3:
+    if info.channels != 3:  # checked before building: a large model takes seconds to initialize
         raise ConfigError(f"config key model.name={name}: torchvision models need 3-channel images; "
                           "use data.name=synthetic/cifar10/imagefolder or model.name=digits_cnn")
-    return model
+    return torchvision.models.get_model(name, weights=None, num_classes=info.num_classes)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -112,7 +112,7 @@ def _clear_stale_labels(api: _ApiServer, namespace: str, own_pod: str, own_label
     cluster = own_labels.get(CLUSTER_LABEL)
     if not cluster:
         return  # not a KubeRay pod: no group to clean up
-    selector = urllib.parse.quote(f"{METRICS_LABEL}=true,{CLUSTER_LABEL}={cluster}")
+    selector = urllib.parse.quote(f"{METRICS_LABEL}=true,{CLUSTER_LABEL}={cluster}", safe="")
     pods = api.request("GET", f"{api.pod_path(namespace)}?labelSelector={selector}")
     for item in pods.get("items") or []:
         name = (item.get("metadata") or {}).get("name")

@@ -148,9 +148,10 @@ class TrainingRun:
     def __init__(self, tmp: Path, sd_dir: Path, metrics_port: int):
         self.port, self.sd_dir = metrics_port, sd_dir
         self.sd_file = sd_dir / f"ray-app-{RUN}.json"
-        self.log = tmp / "train.log"
+        self.log, self.stdout = tmp / "train.log", tmp / "train.stdout"
         ray_app = Path(sys.executable).with_name("ray-app")
         cmd = [str(ray_app)] if ray_app.exists() else [sys.executable, "-m", "ray_app"]
+        cmd.append("train")
         overrides = {
             "run.name": RUN, "run.storage": str(tmp / "runs"),
             "data.name": "synthetic", "data.num_samples": 4096, "model.name": "mlp",
@@ -163,11 +164,11 @@ class TrainingRun:
             cmd += ["--set", f"{key}={value}"]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not someone's cluster
         env.update({"RAY_APP_METRICS_SD_DIR": str(sd_dir), "RAY_APP_METRICS_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"})
-        self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=self.stdout.open("w"), stderr=self.log.open("w"),
                                      start_new_session=True)
 
     def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(line for f in (self.stdout, self.log) for line in f.read_text(errors="replace").splitlines()[-lines:])
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -241,7 +242,7 @@ def test_exactly_one_process_serves_metrics(stack):
 def test_killed_rank0_comes_back_and_reports_resumed_step(stack):
     prom, run = stack
     serving(prom, run)
-    wait_for("a committed checkpoint", lambda: prom.scalar("ray_app_last_checkpoint_timestamp_seconds or vector(0)") > 0, 120)
+    wait_for("a committed checkpoint", lambda: (prom.scalar("max(ray_app_last_checkpoint_timestamp_seconds)") or 0) > 0, 120)
     step_before = prom.scalar("ray_app_global_step")
     (rank0,) = listeners(run.port)
     assert cmdline(rank0).startswith("ray::RayTrainWorker")
@@ -259,8 +260,12 @@ def test_killed_rank0_comes_back_and_reports_resumed_step(stack):
           f"{time.monotonic() - t_kill:.1f}s, resumed from step {resumed:.0f}")
     assert 0 < resumed <= step_before + 20
     wait_for("training to continue after the restart", lambda: (prom.scalar("ray_app_global_step") or 0) > resumed, 120)
-    alerts = prom.get("/api/v1/alerts")["alerts"]
-    assert "RayAppWorkerGroupResumed" in {a["labels"]["alertname"] for a in alerts}, alerts
+    def firing():
+        return {a["labels"]["alertname"] for a in prom.get("/api/v1/alerts")["alerts"] if a["state"] == "firing"}
+    wait_for("the RayAppWorkerGroupResumed alert", lambda: "RayAppWorkerGroupResumed" in firing(), 60,
+             on_timeout=lambda: json.dumps([prom.get("/api/v1/alerts"), prom.get("/api/v1/rules"),
+                                            prom.get("/api/v1/query", query="up[60s]"),
+                                            prom.get("/api/v1/query", query="ray_app_worker_group_starts_created[60s]")]))
     assert len(prom.targets()) == 1  # the same single target, never a stale second one
 
 
@@ -268,7 +273,7 @@ def test_clean_end_withdraws_the_target(stack):
     prom, run = stack
     run.proc.wait(timeout=600)
     assert run.proc.returncode == 0, run.tail()
-    summary = json.loads(run.log.read_text().strip().splitlines()[-1])
+    summary = json.loads(run.stdout.read_text().strip().splitlines()[-1])
     assert summary["resumed_from_step"] > 0
     assert not run.sd_file.exists()
     wait_for("Prometheus to drop the finished run's target", lambda: prom.targets() == [], 30)

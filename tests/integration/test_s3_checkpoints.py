@@ -182,8 +182,14 @@ def test_stopped_run_resubmitted_resumes_bit_identical_from_epoch_checkpoint(s3,
             time.sleep(0.1)
         assert committed_steps(s3, f"stop/{run}/"), "no epoch checkpoint appeared"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # the whole job dies at once, as on a lost machine: the driver and the local Ray it started
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in family:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(family, timeout=30)
     steps_before = committed_steps(s3, f"stop/{run}/")
     assert all(s % STEPS_PER_EPOCH == 0 for s in steps_before)
     rc, out, err = ray_app(args, s3.env())

@@ -132,13 +132,18 @@ def crd_schema(kind: str) -> dict:
     return strict_schema(version["schema"]["openAPIV3Schema"])
 
 
+def make_env() -> dict[str, str]:
+    """The environment for `make` in tests: the Makefile's own defaults, not the caller's."""
+    return {k: v for k, v in os.environ.items() if k not in ("IMAGE", "IMAGE_GPU", "VERSION", "OVERLAY", "K8S_NAMESPACE")}
+
+
 def make_var(name: str) -> str:
     """The value of a variable of the main Makefile (mk/*.mk included)."""
     if not shutil.which("make"):
         pytest.skip("make not installed")
     out = subprocess.run(
         ["make", "-s", "--no-print-directory", "-C", str(REPO), "--eval", "print-var-%: ; @echo $($*)", f"print-var-{name}"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True, text=True, timeout=30, env=make_env(),
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()

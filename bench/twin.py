@@ -1,0 +1,297 @@
+"""Bare-torchrun twin of ray_app's DDP loop: the same work, no Ray, no kit.
+
+    torchrun --standalone --nproc-per-node 2 bench/twin.py --config configs/local.yaml --set model.name=resnet18 ...
+    python bench/twin.py --device cuda ...            # one process, no process group (bench/gpu.sh)
+
+It reads the same config (file + ``--set``) as ``ray-app train`` so the work is
+identical: model (``ray_app.models.build_model``), data
+(``ray_app.data.build_datasets``), seed, per-worker batch size, SGD with
+momentum, warmup + cosine LR schedule, log cadence (global-mean loss with one
+all_reduce every ``train.log_every_steps``), exact evaluation after every epoch
+and at the end (all_gather). Everything else is plain torch: DistributedSampler,
+DistributedDataParallel with its defaults, gloo on CPU. Kit-only keys
+(checkpoint.*, metrics.*, failure.*) are ignored; with ``--ckpt-dir`` it saves
+``torch.save`` checkpoints and resumes from them (for the recovery case, under
+``torchrun --max-restarts``).
+
+Rank 0 prints one JSON line (and appends it to ``--out``) with wall-clock
+timestamps of each start-up phase, ``first_step_unix`` and
+``steady_samples_per_second``: global samples over the summed wall time of
+optimizer steps after the first ``--skip-steps`` (time between epochs --
+evaluation -- is not a step; the log all_reduce falls in the next step).
+"""
+
+from __future__ import annotations
+
+import time
+
+T_SCRIPT = time.time()  # before the heavy imports: python start-up is torchrun's share
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ray_app.config import load_config  # noqa: E402  (config parsing only: no Ray, no loop)
+from ray_app.data import build_datasets  # noqa: E402
+from ray_app.models import build_model  # noqa: E402
+
+T_IMPORTS = time.time()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="YAML config, as for ray-app train")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--skip-steps", type=int, default=5, help="optimizer steps left out of the steady-state rate")
+    p.add_argument("--out", default=None, help="append rank 0's JSON line to this file")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (one process per GPU)")
+    p.add_argument("--ckpt-dir", default=None, help="save/resume torch.save checkpoints here")
+    p.add_argument("--ckpt-every-steps", type=int, default=0, help="checkpoint cadence with --ckpt-dir")
+    return p.parse_args(argv)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def lr_lambda(warmup_steps: int, total_steps: int):
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+class SkippingSampler(DistributedSampler):
+    """DistributedSampler that starts ``start`` samples into the epoch (resume mid-epoch)."""
+
+    start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return max(self.num_samples - self.start, 0)
+
+
+class Twin:
+    def __init__(self, args, cfg):
+        self.args, self.cfg = args, cfg
+        self.distributed = "RANK" in os.environ
+        self.stamps = {"script": T_SCRIPT, "imports": T_IMPORTS}
+        if self.distributed:
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world = 0, 1
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.amp = cfg.train.amp and self.device.type == "cuda"
+        self.stamps["process_group"] = time.time()
+        self.epoch = self.batches_done = self.step = self.resumed_from = 0
+        self.steady_seconds, self.steady_samples = 0.0, 0
+        self.first_step_unix = None
+
+    # ---------------------------------------------------------------- set-up
+    def build(self) -> None:
+        cfg = self.cfg
+        train_set, eval_set, info = build_datasets(cfg.data)
+        self.stamps["data"] = time.time()
+        seed_everything(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
+        model = build_model(cfg.model.name, info).to(self.device)
+        if self.distributed:
+            model = DistributedDataParallel(model, bucket_cap_mb=cfg.train.bucket_cap_mb)
+        self.model = model
+        self.stamps["model"] = time.time()
+        seed_everything(cfg.run.seed * 1000 + self.rank)
+        self.sampler = SkippingSampler(train_set, self.world, self.rank, shuffle=True, seed=cfg.run.seed)
+        eval_sampler = DistributedSampler(eval_set, self.world, self.rank, shuffle=False)
+        self.eval_indices = torch.tensor(list(iter(eval_sampler)))
+        self.loader_gen = torch.Generator()
+        bs = cfg.data.batch_size
+        self.loader = DataLoader(train_set, batch_size=bs, sampler=self.sampler, generator=self.loader_gen,
+                                 num_workers=cfg.data.loader_workers, pin_memory=self.device.type == "cuda",
+                                 persistent_workers=cfg.data.loader_workers > 0)
+        self.eval_loader = DataLoader(eval_set, batch_size=bs, sampler=eval_sampler,
+                                      num_workers=cfg.data.loader_workers)
+        self.steps_per_epoch = math.ceil(self.sampler.num_samples / bs)
+        self.total_steps = self.steps_per_epoch * cfg.train.epochs
+        t = cfg.train
+        if t.optimizer == "sgd":
+            self.opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        else:
+            self.opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        warmup = round(t.warmup_epochs * self.steps_per_epoch)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.total_steps))
+        self.resume()
+
+    def _ckpt_path(self) -> Path | None:
+        return Path(self.args.ckpt_dir) / "twin.pt" if self.args.ckpt_dir else None
+
+    def resume(self) -> None:
+        path = self._ckpt_path()
+        if path is None or not path.exists():
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        getattr(self.model, "module", self.model).load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.epoch, self.batches_done, self.step = state["epoch"], state["batches_done"], state["step"]
+        self.resumed_from = self.step
+
+    def save(self) -> None:
+        if self.rank == 0:
+            path = self._ckpt_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = {"model": getattr(self.model, "module", self.model).state_dict(),
+                     "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                     "epoch": self.epoch, "batches_done": self.batches_done, "step": self.step}
+            torch.save(state, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        if self.distributed:
+            dist.barrier()  # sync point: nobody runs ahead of a checkpoint that may be needed
+
+    # ---------------------------------------------------------------- collectives
+    def global_mean(self, loss_sum: torch.Tensor, count: torch.Tensor) -> float:
+        t = torch.stack([loss_sum.double(), count.double()])
+        if self.distributed:
+            dist.all_reduce(t)  # sync point: all ranks
+        return (t[0] / t[1].clamp(min=1)).item()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        rows = []
+        for x, y in self.eval_loader:
+            x, y = x.to(self.device), y.to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                logits = self.model(x)
+            loss = F.cross_entropy(logits.float(), y, reduction="none")
+            rows.append(torch.stack([logits.argmax(1).double(), y.double(), loss.double()], 1))
+        local = torch.cat([self.eval_indices.to(self.device).double().unsqueeze(1), torch.cat(rows)], 1)
+        gathered = [torch.empty_like(local) for _ in range(self.world)]
+        if self.distributed:
+            dist.all_gather(gathered, local)  # sync point: every rank's predictions
+        else:
+            gathered = [local]
+        allrows = torch.cat(gathered).cpu()
+        _, first = np.unique(allrows[:, 0].numpy(), return_index=True)  # drop the sampler's padding
+        keep = allrows[torch.from_numpy(np.sort(first))]
+        self.model.train()
+        return {"eval_accuracy": (keep[:, 1] == keep[:, 2]).double().mean().item(),
+                "eval_loss": keep[:, 3].mean().item(), "num_samples": int(keep.shape[0])}
+
+    # ---------------------------------------------------------------- training
+    def done(self) -> bool:
+        return bool(self.cfg.train.max_steps) and self.step >= self.cfg.train.max_steps
+
+    def train_epoch(self) -> None:
+        cfg = self.cfg
+        self.sampler.set_epoch(self.epoch)  # a new order every epoch
+        self.sampler.start = self.batches_done * cfg.data.batch_size
+        self.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + self.epoch)
+        loss_sum = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        self.epoch_loss = torch.zeros((), device=self.device)
+        self.epoch_count = torch.zeros((), device=self.device)
+        step_t0 = time.perf_counter()
+        for x, y in self.loader:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                loss = F.cross_entropy(self.model(x), y)
+            loss.backward()  # DDP all-reduces gradient buckets during backward
+            if cfg.train.clip_grad_norm:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.clip_grad_norm)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.sched.step()
+            self.step += 1
+            self.batches_done += 1
+            loss_sum += loss.detach() * y.shape[0]
+            count += y.shape[0]
+            now = time.perf_counter()
+            if self.first_step_unix is None:
+                self.first_step_unix = time.time()
+            if self.step - self.resumed_from > self.args.skip_steps:
+                self.steady_seconds += now - step_t0
+                self.steady_samples += y.shape[0] * self.world
+            step_t0 = now
+            if self.step % cfg.train.log_every_steps == 0:
+                self.log(loss_sum, count)
+                self.epoch_loss += loss_sum
+                self.epoch_count += count
+                loss_sum, count = torch.zeros_like(loss_sum), torch.zeros_like(count)
+            if self.args.ckpt_every_steps and self.step % self.args.ckpt_every_steps == 0:
+                self.save()
+            if self.done():
+                break
+        if self.batches_done >= self.steps_per_epoch:
+            if count.item():
+                self.log(loss_sum, count)
+            self.train_loss = self.global_mean(self.epoch_loss + loss_sum, self.epoch_count + count)
+            self.last_eval = self.evaluate()
+            self.epoch += 1
+            self.batches_done = 0
+
+    def log(self, loss_sum, count) -> None:
+        loss = self.global_mean(loss_sum, count)  # sync point: every rank at the same step
+        if self.rank == 0:
+            print(f"epoch {self.epoch} step {self.step}/{self.total_steps} loss {loss:.4f}", flush=True)
+
+    def fit(self) -> dict:
+        self.build()
+        self.train_loss, self.last_eval = float("nan"), {}
+        t_start = time.perf_counter()
+        while self.epoch < self.cfg.train.epochs and not self.done():
+            self.train_epoch()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_eval = self.evaluate()
+        self.stamps["first_step"] = self.first_step_unix
+        sps = self.steady_samples / self.steady_seconds if self.steady_seconds else None
+        return {"kind": "twin", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                "world_size": self.world, "global_step": self.step, "resumed_from_step": self.resumed_from,
+                "train_loss": self.train_loss, **self.last_eval,
+                "train_seconds": time.perf_counter() - t_start, "first_step_unix": self.first_step_unix,
+                "steady_samples_per_second": sps, "steady_steps": self.step - self.resumed_from - self.args.skip_steps,
+                "stamps": self.stamps}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.train.grad_accum != 1:
+        raise SystemExit("twin.py: train.grad_accum must be 1 (the bench never changes it)")
+    twin = Twin(args, cfg)
+    result = twin.fit()
+    if twin.rank == 0:
+        line = json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                           for k, v in result.items()})
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+    if twin.distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

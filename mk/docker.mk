@@ -1,0 +1,58 @@
+# Containers: images (docker/Dockerfile) and a cluster of containers on this
+# machine (docker/compose.yaml). Included by the Makefile; uses its IMAGE,
+# VERSION, VENV and ARGS. docs/containers.md explains every target.
+
+##@ Containers (one machine: Ray head + worker containers, MinIO, Prometheus)
+
+IMAGE_GPU ?= $(IMAGE)-gpu
+RAY_WORKERS ?= 2
+DASHBOARD ?= http://127.0.0.1:8265
+CLUSTER_CONFIG ?= configs/cluster.yaml
+# Secrets are read from git-ignored files at call time, never echoed by make.
+CLUSTER_ENV = IMAGE=$(IMAGE) RAY_AUTH_TOKEN="$$(cat .ray-token)" MINIO_ROOT_PASSWORD="$$(cat .minio-secret)"
+COMPOSE = $(CLUSTER_ENV) docker compose -f docker/compose.yaml
+
+.PHONY: image
+image: ## Build the CPU image $(IMAGE) (pulls the pinned python base, pip from the index)
+	docker build -f docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) -t $(IMAGE) .
+
+.PHONY: image-gpu
+image-gpu: ## Build the CUDA image $(IMAGE_GPU) (nvidia/cuda base)
+	docker build -f docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) -t $(IMAGE_GPU) .
+
+.PHONY: image-offline
+image-offline: ## Build $(IMAGE) without a registry: debootstrap base + local wheelhouse
+	IMAGE=$(IMAGE) docker/build-offline.sh
+
+# Random secrets, made once, mode 600, never printed.
+.ray-token .minio-secret:
+	@umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > $@ && echo "wrote $@ (kept private, git-ignored)"
+
+.PHONY: up
+up: .ray-token .minio-secret ## Start the cluster (RAY_WORKERS=2); dashboard http://127.0.0.1:8265
+	$(COMPOSE) up -d --scale worker=$(RAY_WORKERS)
+	@echo "Ray dashboard http://127.0.0.1:8265  Prometheus http://127.0.0.1:9090  MinIO http://127.0.0.1:9001"
+	@echo "next: make submit"
+
+.PHONY: submit
+submit: venv .ray-token ## Train $(CLUSTER_CONFIG) on the cluster (ray job submit); ARGS="--set k=v"
+	RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$$(cat .ray-token)" $(VENV)/bin/ray job submit \
+	  --address $(DASHBOARD) --working-dir . \
+	  --runtime-env-json '{"excludes": [".ray-token", ".minio-secret", ".venv", "runs", "build"]}' \
+	  -- ray-app train --config $(CLUSTER_CONFIG) $(ARGS)
+
+.PHONY: logs
+logs: ## Follow the cluster's container logs
+	$(COMPOSE) logs -f --tail 100
+
+.PHONY: down
+down: ## Stop the cluster (checkpoints stay in the minio-data volume)
+	$(COMPOSE) down
+
+.PHONY: down-volumes
+down-volumes: ## Stop the cluster and delete its volumes (checkpoints, metrics)
+	$(COMPOSE) down --volumes
+
+.PHONY: test-e2e
+test-e2e: venv ## Container e2e tests (builds the image offline first; needs Docker)
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)

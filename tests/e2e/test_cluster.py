@@ -1,0 +1,137 @@
+"""End to end: a Ray cluster of containers, `ray job submit` from the host, a killed worker.
+
+One cluster (head + 2 workers, moto S3, host Prometheus) serves the tests of
+this module, in order: a 2-worker DDP job across the two worker containers, a
+submission without the token (refused), then a job whose rank-0 worker
+container is killed mid-training and started again.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+import pytest
+
+from e2e_cluster import ContainerCluster, docker, rank_placements, summary_of, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EPOCHS = 4            # job 1: short; checkpoint every epoch (configs/cluster.yaml)
+KILL_EPOCHS = 8       # job 2: long enough to kill a worker after the first checkpoint
+
+
+@pytest.fixture(scope="module")
+def cluster(image, test_secrets, tmp_path_factory):
+    c = ContainerCluster(image, test_secrets, tmp_path_factory.mktemp("cluster"))
+    t0 = time.monotonic()
+    try:
+        c.start()
+        print(f"\n[e2e] cluster of containers up in {time.monotonic() - t0:.1f}s")
+        yield c
+    finally:
+        c.stop()
+
+
+def run_name(kind: str) -> str:
+    return f"e2e-{kind}-{secrets.token_hex(3)}"
+
+
+def test_ddp_job_across_worker_containers(cluster):
+    """`ray job submit` with the token: 2 ranks on 2 containers, checkpoints in S3, metrics in Prometheus."""
+    run, sid = run_name("ddp"), run_name("job")
+    t0 = time.monotonic()
+    out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"], timeout=600)
+    seconds = time.monotonic() - t0
+    logs = cluster.job_logs(sid) or out.stdout
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert cluster.job_status(sid) == "SUCCEEDED"
+    print(f"\n[e2e] job 1 ({EPOCHS} epochs) submitted and finished in {seconds:.1f}s")
+
+    # Ranks on different worker containers (the loop prints one line per rank at start).
+    placed = rank_placements(logs)
+    assert set(placed) == {0, 1}, logs[-3000:]
+    worker_ips = {cluster.ip_of(w) for w in cluster.workers}
+    ips = {ip for _, ip in placed.values()}
+    assert len(ips) == 2 and ips == worker_ips, (placed, worker_ips)
+    assert cluster.ip_of(cluster.head) not in ips  # the head does no training work
+
+    summary = summary_of(logs)
+    assert summary["run"] == run and summary["epochs"] == EPOCHS and summary["resumed_from_step"] == 0
+    assert summary["checkpoint"].startswith(f"s3://ray-app/runs/{run}/ckpt-s")
+
+    # Checkpoints in the S3 store, each committed by its manifest; the summary names the newest.
+    steps = cluster.s3.committed_steps(run)
+    assert steps and steps[-1] == summary["global_step"], (steps, summary)
+    assert f"s3://ray-app/runs/{run}/" + summary["checkpoint"].rsplit("/", 1)[1] + "/manifest.json" in \
+        {f"s3://ray-app/{k}" for k in cluster.s3.keys(f"runs/{run}/")}
+
+    # Prometheus scraped rank 0's exporter on its worker container.
+    rank0_ip = placed[0][1]
+    info = wait_until(lambda: cluster.prometheus.query(f'ray_app_info{{run="{run}"}}'), 30, what="ray_app_info in Prometheus")
+    assert info[0]["metric"]["instance"] == f"{rank0_ip}:9500"
+    world = cluster.prometheus.query(f'max_over_time(ray_app_world_size{{instance="{rank0_ip}:9500"}}[10m])')
+    assert float(world[0]["value"][1]) == 2
+    step = cluster.prometheus.query(f'max_over_time(ray_app_global_step{{instance="{rank0_ip}:9500"}}[10m])')
+    assert float(step[0]["value"][1]) > 0
+
+
+def test_submit_without_token_is_refused(cluster):
+    before = cluster.job_ids()
+    for kw in ({"token": None, "auth_mode": False}, {"token": None}, {"token": "0" * 64}):
+        out = cluster.submit(run_name("denied"), ["--set", "train.epochs=1"], timeout=120, **kw)
+        text = out.stdout + out.stderr
+        assert out.returncode != 0, f"{kw}: submission accepted:\n{text[-2000:]}"
+        assert re.search(r"unauthori[sz]ed|authentication|token", text, flags=re.I), text[-2000:]
+    assert cluster.job_ids() == before  # no job was created
+
+
+def test_killed_worker_container_resumes_from_newest_checkpoint(cluster):
+    """`docker kill` rank 0's container mid-run, start it again: the job resumes and succeeds."""
+    run, sid = run_name("kill"), run_name("job")
+    t0 = time.monotonic()
+    out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={KILL_EPOCHS}"],
+                         wait=False, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    # Wait for the first committed checkpoint, then kill the container rank 0 runs in.
+    wait_until(lambda: cluster.s3.committed_steps(run), 300, interval=0.3, what="the first committed checkpoint")
+    placed = wait_until(lambda: rank_placements(cluster.job_logs(sid)).get(0), 60, what="rank 0's placement")
+    victim = cluster.container_by_hostname(placed[0])
+    assert victim in cluster.workers, placed
+    before_kill = cluster.s3.committed_steps(run)
+    docker("kill", victim)
+    killed_at = time.monotonic()
+    after_kill = cluster.s3.committed_steps(run)
+    assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the kill; raise KILL_EPOCHS"
+    time.sleep(2)
+    docker("start", victim)  # the same container: same `ray start --address head:6379 --block`
+
+    status = cluster.wait_for_job(sid, timeout=480)
+    logs = cluster.job_logs(sid)
+    print(f"\n[e2e] job 2 ({KILL_EPOCHS} epochs, worker killed {killed_at - t0:.1f}s in) "
+          f"finished {status} in {time.monotonic() - t0:.1f}s")
+    assert status == "SUCCEEDED", logs[-5000:]
+    summary = summary_of(logs)
+    resumed = summary["resumed_from_step"]
+    committed = cluster.s3.committed_steps(run)
+    interval = committed[-1] - committed[-2]  # steps per checkpoint (every epoch)
+
+    # Resumed from the newest checkpoint committed when the worker died: at most
+    # one checkpoint interval of training was lost.
+    assert resumed >= max(after_kill) >= max(before_kill) > 0, (resumed, before_kill, after_kill)
+    assert resumed in committed or resumed < committed[0], (resumed, committed)  # older ones may be pruned (keep=3)
+    assert summary["global_step"] == KILL_EPOCHS * interval and summary["epochs"] == KILL_EPOCHS
+    assert re.search(rf"resumed from s3://ray-app/runs/{run}/ckpt-s0*{resumed}-", logs), logs[-5000:]
+    assert len(rank_placements_all(logs)) >= 4  # two worker-group starts of two ranks each
+
+    # Prometheus saw the resumed worker group's rank 0 export the step it resumed from.
+    window = int(time.monotonic() - killed_at) + 5
+    seen = wait_until(lambda: cluster.prometheus.query(f"max_over_time(ray_app_resumed_from_step[{window}s]) > 0"),
+                      30, what="ray_app_resumed_from_step > 0 in Prometheus")
+    assert float(seen[0]["value"][1]) == resumed
+
+
+def rank_placements_all(logs: str) -> list[tuple[str, ...]]:
+    return re.findall(r"rank (\d+)/(\d+) on host (\S+) ip (\S+)", logs)

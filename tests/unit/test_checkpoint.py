@@ -1,0 +1,253 @@
+"""Checkpoints: manifest verification, choosing the newest good one, RNG round-trip, weights_only loading."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ray_app.checkpoint import (MANIFEST, CheckpointError, CheckpointPayload, Checkpointer, capture_rng_state,
+                                checkpoint_dir_name, list_checkpoints, load_verified, newest_verified,
+                                resolve_checkpoint_uri, restore_rng_state, upload_checkpoint_dir, verify,
+                                write_checkpoint_dir)
+from ray_app.storage import LocalStorage, StorageError
+
+RUN = "run-a"
+
+
+def tiny_payload(step: int, seed: int = 0, ranks: int = 2) -> CheckpointPayload:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 5)).sum().backward()
+    opt.step()  # momentum buffers: the optimizer state is not empty
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                             scaler={}, rng_per_rank=[capture_rng_state() for _ in range(ranks)],
+                             state={"epoch": 2, "batches_done": 5, "global_step": step, "world_size": ranks},
+                             config={"run": {"name": RUN}}, metrics={"global_step": step, "eval_accuracy": 0.9})
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return LocalStorage(str(tmp_path / "runs"))
+
+
+def commit(storage: LocalStorage, step: int, seed: int = 0, name: str | None = None) -> str:
+    """Write a checkpoint locally, then upload it (manifest last) like the trainer does. Returns rel."""
+    name = name or checkpoint_dir_name(step)
+    local = storage.root.parent / f"local-{name}"
+    write_checkpoint_dir(local, tiny_payload(step, seed))
+    upload_checkpoint_dir(local, storage, f"{RUN}/{name}")
+    shutil.rmtree(local)
+    return f"{RUN}/{name}"
+
+
+def flip_byte(path, offset=-20):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_written_checkpoint_verifies_and_loads(storage):
+    rel = commit(storage, 12)
+    v = verify(storage, rel)
+    assert v.ok and v.reason == "ok"
+    files = set(v.manifest["files"])
+    assert {"model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", "state.json", "config.json",
+            "metrics.json", "rng/rank_0.pt", "rng/rank_1.pt"} <= files
+    assert MANIFEST not in files
+    loaded = load_verified(storage, rel, rank=1)
+    expected = tiny_payload(12)
+    assert all(torch.equal(loaded.model[k], expected.model[k]) for k in expected.model)
+    assert loaded.state["global_step"] == 12 and loaded.state["batches_done"] == 5
+    assert loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
+    assert loaded.rng is not None and loaded.uri == storage.uri(rel)
+
+
+def test_dir_names_sort_by_step():
+    names = [checkpoint_dir_name(s) for s in (5, 100, 20, 3000)]
+    assert sorted(names) == [names[0], names[2], names[1], names[3]]
+    assert len({checkpoint_dir_name(1) for _ in range(20)}) == 20  # never the same name twice
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("flip", "sha256 mismatch in model.pt"),
+    ("truncate", "size mismatch in optimizer.pt"),
+    ("missing", "missing file rng/rank_1.pt"),
+    ("no_manifest", "no manifest"),
+    ("bad_manifest", "manifest unreadable"),
+])
+def test_damaged_checkpoint_is_not_verified_and_not_loaded(storage, damage, reason):
+    rel = commit(storage, 3)
+    d = storage.root / rel
+    if damage == "flip":
+        flip_byte(d / "model.pt")
+    elif damage == "truncate":
+        (d / "optimizer.pt").write_bytes((d / "optimizer.pt").read_bytes()[:-1])
+    elif damage == "missing":
+        (d / "rng" / "rank_1.pt").unlink()
+    elif damage == "no_manifest":
+        (d / MANIFEST).unlink()
+    else:
+        (d / MANIFEST).write_text("{not json")
+    v = verify(storage, rel)
+    assert not v.ok
+    assert reason in v.reason
+    with pytest.raises(CheckpointError, match="failed verification"):
+        load_verified(storage, rel, rank=0)
+
+
+def test_manifest_must_list_the_model(storage):
+    rel = commit(storage, 3)
+    man_path = storage.root / rel / MANIFEST
+    man = json.loads(man_path.read_text())
+    del man["files"]["model.pt"]
+    man_path.write_text(json.dumps(man))
+    v = verify(storage, rel)
+    assert not v.ok and "manifest lists no model.pt" in v.reason
+
+
+def test_upload_writes_manifest_last(storage, tmp_path):
+    local = tmp_path / "local"
+    write_checkpoint_dir(local, tiny_payload(1))
+    order = []
+
+    class RecordingStorage(LocalStorage):
+        def upload_file(self, src, rel):
+            order.append(rel.rsplit("/", 1)[-1])
+            super().upload_file(src, rel)
+
+    upload_checkpoint_dir(local, RecordingStorage(str(storage.root)), f"{RUN}/x")
+    assert order[-1] == MANIFEST and order.count(MANIFEST) == 1
+
+
+def test_newest_verified_skips_a_broken_newer_checkpoint(storage):
+    old = commit(storage, 10, seed=1)
+    new = commit(storage, 20, seed=2)
+    flip_byte(storage.root / new / "model.pt")
+    incomplete = commit(storage, 30, seed=3)
+    (storage.root / incomplete / MANIFEST).unlink()  # an upload that died before its commit
+    warnings = []
+    name, skipped = newest_verified(storage, RUN, warn=warnings.append)
+    assert f"{RUN}/{name}" == old
+    assert len(skipped) == 2 and len(warnings) == 2
+    assert "sha256 mismatch" in warnings[1] and "no manifest" in warnings[0]
+    assert new.rsplit("/", 1)[-1] in warnings[1]
+    # a Checkpointer resumes from the older good one
+    cp = Checkpointer(storage, RUN, report=None, warn=warnings.append)
+    loaded = cp.restore(rank=0)
+    assert loaded.state["global_step"] == 10
+    assert cp.last_uri == storage.uri(old)
+
+
+def test_no_good_checkpoint_means_fresh_start(storage):
+    rel = commit(storage, 10)
+    (storage.root / rel / MANIFEST).unlink()
+    assert newest_verified(storage, RUN, warn=lambda m: None)[0] is None
+    assert Checkpointer(storage, RUN, report=None, warn=lambda m: None).restore(0) is None
+    with pytest.raises(CheckpointError, match="passes verification"):
+        resolve_checkpoint_uri(storage.uri(RUN))
+
+
+def test_resolve_run_and_checkpoint_uris(storage):
+    a = commit(storage, 1)
+    b = commit(storage, 2)
+    st, rel = resolve_checkpoint_uri(storage.uri(RUN))
+    assert rel == b and st.root == storage.root
+    st, rel = resolve_checkpoint_uri(storage.uri(a))
+    assert rel.endswith(a.rsplit("/", 1)[-1])
+    with pytest.raises(StorageError):
+        resolve_checkpoint_uri(storage.uri("no-such-run"))
+    assert list_checkpoints(storage, RUN) == [a.rsplit("/", 1)[-1], b.rsplit("/", 1)[-1]]
+
+
+def test_checkpointer_save_reports_on_every_rank_and_writes_only_on_the_writer(storage):
+    calls = []
+
+    def report(metrics, local_dir, dir_name, upload):
+        calls.append((metrics, local_dir, dir_name))
+        if local_dir is not None:
+            upload(local_dir, dir_name)
+
+    writer = Checkpointer(storage, RUN, report)
+    other = Checkpointer(storage, RUN, report)
+    writer.save(tiny_payload(4), {"global_step": 4}, is_writer=True)
+    other.save(None, {"global_step": 4}, is_writer=False)
+    assert calls[1][1] is None
+    assert calls[0][0]["checkpoint"] == storage.uri(RUN, calls[0][2])
+    name, _ = newest_verified(storage, RUN)
+    assert name == calls[0][2]
+    assert writer.last_uri == storage.uri(RUN, name)
+
+
+def _draws():
+    return (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], np.random.randn(1))
+
+
+def test_rng_round_trip_reproduces_draws(storage, tmp_path):
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    np.random.randn(1)  # leaves a cached gaussian in numpy's state
+    payload = tiny_payload(1, ranks=1)
+    payload.rng_per_rank = [capture_rng_state()]
+    expected = _draws()
+    write_checkpoint_dir(tmp_path / "c", payload)
+    upload_checkpoint_dir(tmp_path / "c", storage, f"{RUN}/c")
+    _draws()  # move every generator on
+    loaded = load_verified(storage, f"{RUN}/c", rank=0)
+    restore_rng_state(loaded.rng)
+    got = _draws()
+    assert torch.equal(got[0], expected[0])
+    assert np.array_equal(got[1], expected[1]) and np.array_equal(got[3], expected[3])
+    assert got[2] == expected[2]
+
+
+def test_every_file_loads_with_weights_only(storage):
+    rel = commit(storage, 5)
+    d = storage.root / rel
+    for f in sorted(d.rglob("*.pt")):
+        torch.load(f, weights_only=True)  # raises if anything but tensors and plain containers
+
+
+class Payload:
+    """Not a tensor: loading it needs arbitrary unpickling."""
+
+    def __reduce__(self):
+        return (print, ("arbitrary code ran",))
+
+
+def test_a_pickled_object_in_a_checkpoint_is_refused(storage, tmp_path, capsys):
+    local = tmp_path / "evil"
+    payload = tiny_payload(9)
+    write_checkpoint_dir(local, payload)
+    torch.save({"weight": Payload()}, local / "model.pt")
+    # re-commit with a matching manifest: verification alone cannot catch it, weights_only must
+    files = {}
+    import hashlib
+    for f in sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[f.relative_to(local).as_posix()] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+                                                  "bytes": f.stat().st_size}
+    man = json.loads((local / MANIFEST).read_text())
+    man["files"] = files
+    (local / MANIFEST).write_text(json.dumps(man))
+    upload_checkpoint_dir(local, storage, f"{RUN}/evil")
+    assert verify(storage, f"{RUN}/evil").ok
+    with pytest.raises(CheckpointError, match="model.pt cannot be loaded with torch.load\\(weights_only=True\\)"):
+        load_verified(storage, f"{RUN}/evil", rank=0)
+    assert "arbitrary code ran" not in capsys.readouterr().out
+
+
+def test_raw_weights_only_refuses_objects():
+    buf = io.BytesIO()
+    torch.save({"x": Payload()}, buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(buf, weights_only=True)

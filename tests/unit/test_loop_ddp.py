@@ -1,0 +1,390 @@
+"""The DDP loop on real gloo process groups (torch.multiprocessing, no Ray).
+
+What a user would notice: eval accuracy that does not depend on the number of
+workers, a logged loss that is the true global mean, ranks that agree on the
+parameters, a new data order every epoch, and a resumed run that ends exactly
+where the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified
+from ray_app.config import load_config
+from ray_app.data import build_datasets
+from ray_app.loop import (ResumableDistributedSampler, Trainer, assert_identical_parameters, gather_predictions,
+                          global_mean, lr_lambda)
+from ray_app.models import build_model
+from ray_app.storage import LocalStorage
+
+EVAL_N = 359  # the digits eval set size: divisible by neither 2 nor 3
+
+
+# ---------------------------------------------------------------- helpers run in every spawned rank
+
+def _init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)  # 2 shared cores: no oversubscription
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+
+def _spawn(fn, world: int, *args) -> None:
+    mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
+
+
+def eval_table(n: int = EVAL_N, classes: int = 10):
+    """An eval set whose 'model' is the identity: each sample is its own logits row."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, classes, generator=g) * 3
+    targets = torch.randint(0, classes, (n,), generator=g)
+    return logits, targets
+
+
+def single_process_eval(logits, targets):
+    losses = F.cross_entropy(logits, targets, reduction="none").double()
+    return (logits.argmax(1) == targets).double().mean().item(), losses.mean().item()
+
+
+UNEQUAL = {0: 3, 1: 10, 2: 1}  # samples per rank for the global-mean check
+
+
+def rank_losses(rank: int) -> torch.Tensor:
+    return torch.rand(UNEQUAL[rank], generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64) * 4
+
+
+def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
+    _init(rank, world, port)
+    result = {}
+    # practice 5: exact eval through the padded DistributedSampler
+    logits, targets = eval_table()
+    ds = TensorDataset(logits, targets, torch.arange(EVAL_N))
+    sampler = DistributedSampler(ds, world, rank, shuffle=False, drop_last=False)
+    idx_seen, preds, tgts, losses = [], [], [], []
+    for x, y, i in DataLoader(ds, batch_size=16, sampler=sampler):
+        idx_seen.append(i)
+        preds.append(x.argmax(1))
+        tgts.append(y)
+        losses.append(F.cross_entropy(x, y, reduction="none"))
+    local_idx = torch.tensor(list(iter(sampler)))
+    assert torch.equal(local_idx, torch.cat(idx_seen))  # the order the loop assumes
+    idx, p, t, l = gather_predictions(local_idx, torch.cat(preds), torch.cat(tgts), torch.cat(losses), world)
+    result["eval"] = {"indices": idx.tolist(), "accuracy": (p == t).double().mean().item(),
+                      "loss": l.mean().item(), "num_samples": int(idx.numel()),
+                      "padded_count": len(local_idx) * world}
+    # practice 4: sample-weighted global mean of unequal per-rank sums
+    mine = rank_losses(rank)
+    result["global_mean"] = global_mean(mine.sum(), torch.tensor(float(len(mine))))
+    # practice 1: DDP makes differently initialized replicas identical; the check notices when they differ
+    torch.manual_seed(rank)  # deliberately different init per rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    try:
+        assert_identical_parameters(model)
+        result["raised_without_ddp"] = False
+    except RuntimeError:
+        result["raised_without_ddp"] = True
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    assert_identical_parameters(ddp)  # raises if DDP's broadcast did not happen
+    result["params_after_ddp"] = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- fakes for the Trainer
+
+class SimulatedCrash(RuntimeError):
+    """Raised on every rank right after a chosen checkpoint is committed (a worker group dying)."""
+
+
+class FakeRuntime:
+    """What RayRuntime gives the loop: topology, DDP wrapping, a report that is a barrier."""
+
+    def __init__(self, rank: int, world_size: int, crash_after_checkpoint: int | None = None):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        self.crash_after = crash_after_checkpoint
+        self.calls: list[tuple[str, int | None]] = []
+
+    def prepare_model(self, model, bucket_cap_mb: int = 25):
+        return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+
+    def prepare_loader(self, loader):
+        return loader
+
+    def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
+        kind = "checkpoint" if dir_name else "metrics"
+        self.calls.append((kind, metrics.get("global_step")))
+        if local_dir is not None:  # only the writer rank has a local checkpoint
+            upload(Path(local_dir), dir_name)
+            cleanup_local(Path(local_dir))
+        dist.barrier()  # like ray.train.report: every rank waits for the commit
+        checkpoints = sum(1 for k, _ in self.calls if k == "checkpoint")
+        if kind == "checkpoint" and checkpoints == self.crash_after:
+            raise SimulatedCrash(f"stopped after checkpoint {checkpoints}")
+
+
+class RecordingMetrics:
+    """A metrics sink that remembers what the loop told it."""
+
+    def __init__(self):
+        self.progress, self.evals, self.started = [], [], None
+
+    def start(self, **info):
+        self.started = info
+
+    def on_step(self, step_seconds): ...
+
+    def on_progress(self, **kw):
+        self.progress.append(kw)
+
+    def on_eval(self, **kw):
+        self.evals.append(kw)
+
+    def on_checkpoint(self, **kw): ...
+
+    def on_gpu_memory(self, **kw): ...
+
+    def close(self): ...
+
+
+BASE = ["data.name=digits", "model.name=digits_cnn", "data.batch_size=32", "train.epochs=2",
+        "train.warmup_epochs=0.5", "train.log_every_steps=7", "metrics.enabled=false", "checkpoint.keep=10"]
+NO_CKPT = ["checkpoint.every_epochs=0", "checkpoint.every_steps=0"]
+ACCUM2 = ["train.grad_accum=2", "train.clip_grad_norm=1.0"]
+
+# name -> (overrides, crash after checkpoint number, reference run)
+# digits: 1438 train samples -> 719 per rank -> 23 batches per epoch (12 optimizer steps with grad_accum=2)
+REFERENCES = {"ref-accum1": NO_CKPT, "ref-accum2": NO_CKPT + ACCUM2}
+INTERRUPTED = {
+    # checkpoints at steps 5, 10 (crash: epoch 0, batch 10)
+    "mid-epoch": (["checkpoint.every_steps=5", "checkpoint.every_epochs=1"], 2, "ref-accum1", 10),
+    # steps 5, 10, 15, 20, epoch end 23, 25 (crash: epoch 1, batch 2)
+    "mid-second-epoch": (["checkpoint.every_steps=5", "checkpoint.every_epochs=1"], 6, "ref-accum1", 25),
+    "epoch-boundary": (["checkpoint.every_steps=0", "checkpoint.every_epochs=1"], 1, "ref-accum1", 23),
+    # steps 4, 8 (crash: epoch 0, batch 16 of 23)
+    "accum2-mid-epoch": (["checkpoint.every_steps=4", "checkpoint.every_epochs=1"] + ACCUM2, 2, "ref-accum2", 8),
+    "accum2-epoch-boundary": (["checkpoint.every_steps=0", "checkpoint.every_epochs=1"] + ACCUM2, 1,
+                              "ref-accum2", 12),
+}
+
+
+def _fit(rank: int, world: int, cfg, crash_after=None):
+    storage = LocalStorage(cfg.run.storage)
+    rt = FakeRuntime(rank, world, crash_after)
+    metrics = RecordingMetrics()
+    trainer = Trainer(cfg, rt, Checkpointer(storage, cfg.run.name, rt.report, warn=print), metrics)
+    try:
+        summary = trainer.fit()
+    except SimulatedCrash:
+        summary = None
+    return {"summary": summary, "calls": rt.calls, "resumed_from_step": trainer.resumed_from_step,
+            "params": {k: v.clone() for k, v in trainer.module.state_dict().items()},
+            "progress": metrics.progress, "evals": metrics.evals}
+
+
+def _trainer_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
+    _init(rank, world, port)
+    results = {}
+    for name, overrides in REFERENCES.items():
+        cfg = load_config(None, BASE + overrides + [f"run.name={name}", f"run.storage={storage}"])
+        results[name] = _fit(rank, world, cfg)
+    for name, (overrides, crash_after, _, _) in INTERRUPTED.items():
+        cfg = load_config(None, BASE + overrides + [f"run.name={name}", f"run.storage={storage}"])
+        crashed = _fit(rank, world, cfg, crash_after)
+        resumed = _fit(rank, world, cfg)  # a new worker group: same config, same run name
+        results[name] = {"crashed": crashed, "resumed": resumed}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _load_ranks(out: Path, world: int) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- collectives (2 and 3 ranks)
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def collectives(request, tmp_path_factory):
+    from conftest import pick_free_port
+
+    world = request.param
+    out = tmp_path_factory.mktemp(f"collectives{world}")
+    _spawn(_collectives_worker, world, pick_free_port(), str(out))
+    return world, _load_ranks(out, world)
+
+
+def test_eval_accuracy_and_loss_equal_single_process_exactly(collectives):
+    world, ranks = collectives
+    acc, loss = single_process_eval(*eval_table())
+    for r in ranks:  # every rank computes the same global metric
+        ev = r["eval"]
+        assert ev["num_samples"] == EVAL_N
+        assert sorted(ev["indices"]) == list(range(EVAL_N))
+        assert ev["accuracy"] == acc
+        assert ev["loss"] == loss
+        assert ev["padded_count"] > EVAL_N  # the sampler did pad: duplicates were really removed
+
+
+def test_global_mean_is_sample_weighted(collectives):
+    world, ranks = collectives
+    all_losses = torch.cat([rank_losses(r) for r in range(world)])
+    expected = all_losses.sum().item() / len(all_losses)
+    unweighted = sum(rank_losses(r).mean().item() for r in range(world)) / world
+    for r in ranks:
+        assert r["global_mean"] == pytest.approx(expected, rel=1e-12, abs=0)
+        assert r["global_mean"] != pytest.approx(unweighted, rel=1e-3)
+
+
+def test_identical_parameters_check(collectives):
+    world, ranks = collectives
+    assert all(r["raised_without_ddp"] for r in ranks)
+    torch.manual_seed(0)  # rank 0's init is what every rank holds after wrapping
+    rank0_init = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).state_dict()
+    for r in ranks:
+        assert _same_params(r["params_after_ddp"], rank0_init)
+
+
+# ---------------------------------------------------------------- sampler and LR schedule (no process group)
+
+def test_sampler_shards_are_disjoint_and_cover_the_data():
+    n, world = 100, 3
+    shards = [list(ResumableDistributedSampler(range(n), world, r, shuffle=True, seed=0)) for r in range(world)]
+    assert all(len(s) == 34 for s in shards)  # 100 -> 3 x 34 with 2 padded repeats
+    assert set().union(*shards) == set(range(n))
+    flat = sum(shards, [])
+    assert len(flat) - len(set(flat)) == 2
+    even = [set(ResumableDistributedSampler(range(90), world, r, shuffle=True, seed=0)) for r in range(world)]
+    assert all(not (even[a] & even[b]) for a in range(world) for b in range(a + 1, world))
+
+
+def test_set_epoch_changes_the_order_deterministically():
+    s = ResumableDistributedSampler(range(200), 2, 0, shuffle=True, seed=5)
+    s.set_epoch(0)
+    e0 = list(s)
+    s.set_epoch(1)
+    e1 = list(s)
+    s.set_epoch(0)
+    assert e0 != e1 and list(s) == e0
+    other = ResumableDistributedSampler(range(200), 2, 0, shuffle=True, seed=5)
+    other.set_epoch(1)
+    assert list(other) == e1  # another process (a resumed worker) gets the same order
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 6, 7])
+def test_set_start_batch_yields_the_tail_of_the_epoch(k):
+    batch = 8
+    s = ResumableDistributedSampler(range(103), 2, 1, shuffle=True, seed=3)
+    s.set_epoch(4)
+    full = list(s)
+    s.set_start_batch(k, batch)
+    tail = list(s)
+    assert tail == full[k * batch:]
+    assert len(s) == len(tail)
+    loader_batches = list(DataLoader(list(range(103)), batch_size=batch, sampler=s))
+    assert [x.tolist() for x in loader_batches] == [full[i:i + batch] for i in range(k * batch, len(full), batch)]
+
+
+def test_lr_warmup_then_cosine():
+    f = lr_lambda(4, 20)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0
+    assert f(12) == pytest.approx(0.5)
+    assert f(20) == pytest.approx(0.0, abs=1e-12) and f(30) == pytest.approx(0.0, abs=1e-12)
+    decay = [f(s) for s in range(4, 21)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+    g = lr_lambda(0, 10)
+    assert g(0) == 1.0 and g(5) == pytest.approx(0.5) and g(10) == pytest.approx(0.0, abs=1e-12)
+    assert g(3) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.3)))
+
+
+# ---------------------------------------------------------------- the Trainer: 2 ranks, stop and resume
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    from conftest import pick_free_port
+
+    out = tmp_path_factory.mktemp("trainer")
+    storage = out / "runs"
+    _spawn(_trainer_worker, 2, pick_free_port(), str(out), str(storage))
+    return _load_ranks(out, 2), LocalStorage(str(storage))
+
+
+def test_ranks_agree_on_parameters_at_the_end(trainer_runs):
+    ranks, _ = trainer_runs
+    for name in REFERENCES:
+        assert _same_params(ranks[0][name]["params"], ranks[1][name]["params"])
+    for name in INTERRUPTED:
+        assert _same_params(ranks[0][name]["resumed"]["params"], ranks[1][name]["resumed"]["params"])
+
+
+def test_training_learns_digits_and_reports_the_summary(trainer_runs):
+    ranks, _ = trainer_runs
+    s = ranks[0]["ref-accum1"]["summary"]
+    assert s["global_step"] == 46 and s["epochs"] == 2 and s["resumed_from_step"] == 0
+    assert s["eval_accuracy"] > 0.5 and s["num_samples"] == EVAL_N
+    assert math.isfinite(s["train_loss"])
+    assert ranks[0]["ref-accum2"]["summary"]["global_step"] == 24
+    # logged losses are global: every rank logs the same value at the same step
+    losses0 = [p["train_loss"] for p in ranks[0]["ref-accum1"]["progress"]]
+    losses1 = [p["train_loss"] for p in ranks[1]["ref-accum1"]["progress"]]
+    assert losses0 and losses0 == losses1
+
+
+def test_trainer_eval_matches_a_single_process_evaluation(trainer_runs):
+    ranks, _ = trainer_runs
+    s = ranks[0]["ref-accum1"]["summary"]
+    _, ev, info = build_datasets(load_config(None, []).data)
+    model = build_model("digits_cnn", info)
+    model.load_state_dict(ranks[0]["ref-accum1"]["params"])
+    model.eval()
+    with torch.no_grad():
+        logits = model(ev.tensors[0])
+    acc = (logits.argmax(1) == ev.tensors[1]).double().mean().item()
+    loss = F.cross_entropy(logits, ev.tensors[1], reduction="none").double().mean().item()
+    assert s["eval_accuracy"] == acc
+    assert s["eval_loss"] == pytest.approx(loss, rel=1e-5)  # batch composition moves the last float bits
+
+
+def test_every_rank_reports_the_same_number_of_times(trainer_runs):
+    ranks, _ = trainer_runs
+    for name in REFERENCES:
+        assert ranks[0][name]["calls"] == ranks[1][name]["calls"]
+        assert len(ranks[0][name]["calls"]) == 3  # one per epoch, one at the end
+    for name in INTERRUPTED:
+        for phase in ("crashed", "resumed"):
+            assert ranks[0][name][phase]["calls"] == ranks[1][name][phase]["calls"]
+
+
+@pytest.mark.parametrize("name", list(INTERRUPTED))
+def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(trainer_runs, name):
+    ranks, storage = trainer_runs
+    _, crash_after, reference, step = INTERRUPTED[name]
+    crashed, resumed, ref = ranks[0][name]["crashed"], ranks[0][name]["resumed"], ranks[0][reference]
+    assert crashed["summary"] is None
+    assert [k for k, _ in crashed["calls"]].count("checkpoint") == crash_after
+    assert crashed["calls"][-1] == ("checkpoint", step)
+    assert resumed["resumed_from_step"] == step
+    assert resumed["summary"]["resumed_from_step"] == step
+    assert resumed["summary"]["global_step"] == ref["summary"]["global_step"]
+    assert not _same_params(crashed["params"], ref["params"])  # the crash really stopped it early
+    for key, tensor in ref["params"].items():
+        assert torch.equal(resumed["params"][key], tensor), key
+    assert resumed["summary"]["eval_accuracy"] == ref["summary"]["eval_accuracy"]
+    assert resumed["summary"]["eval_loss"] == ref["summary"]["eval_loss"]
+    # the run ends on a committed checkpoint of the final step
+    newest, _ = newest_verified(storage, name)
+    assert newest is not None and int(newest[len("ckpt-s"):].split("-")[0]) == ref["summary"]["global_step"]
+    assert resumed["summary"]["checkpoint"] == storage.uri(name, newest)
