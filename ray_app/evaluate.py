@@ -31,8 +31,12 @@ def eval_func(args: dict) -> None:
     storage, rel = resolve_checkpoint_uri(args["checkpoint"])
     loaded = load_verified(storage, rel, rank=None, model_only=True)
     trainer.module.load_state_dict(loaded.model)
-    result = trainer.evaluate()
-    ray.train.report(dict(result, checkpoint=loaded.uri, global_step=loaded.state.get("global_step")))
+    result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))
+    if runtime.rank == 0:
+        # Ray Train V2's Result.metrics only carries metrics reported with a checkpoint; eval writes
+        # none, so rank 0 hands its result to the driver through a queue actor
+        args["results"].put(result)
+    ray.train.report(result)
 
 
 def run_eval(uri: str, overrides: list[str]) -> dict:
@@ -52,21 +56,26 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     except ConfigError as exc:
         raise ConfigError(f"--set: {exc}") from None
     init_ray(cfg)
+    from ray.util.queue import Queue
+
+    results = Queue(actor_options={"num_cpus": 0})  # 0 CPUs: never takes a worker's slot
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
     trainer = TorchTrainer(
         eval_func,
-        train_loop_config={"config": cfg.to_dict(), "checkpoint": loaded.uri},
+        train_loop_config={"config": cfg.to_dict(), "checkpoint": loaded.uri, "results": results},
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         run_config=RunConfig(name=f"eval-{cfg.run.name}", storage_path=tempfile.mkdtemp(prefix="ray-app-eval-")),
     )
     result = trainer.fit()
+    m = results.get(timeout=30) if result.error is None and not results.empty() else None
     import ray
 
     ray.shutdown()
     if result.error is not None:
         raise TrainingFailed(str(result.error).strip().splitlines()[-1][:500])
-    m = result.metrics
+    if m is None:
+        raise TrainingFailed("evaluation finished but rank 0 returned no result")
     return {"checkpoint": m["checkpoint"], "global_step": m["global_step"], "eval_accuracy": m["eval_accuracy"],
             "eval_loss": m["eval_loss"], "num_samples": m["num_samples"], "world_size": s.num_workers}

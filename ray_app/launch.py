@@ -9,6 +9,7 @@ the loop is given.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -68,8 +69,8 @@ class RayRuntime:
             cleanup_local(local_dir)
 
 
-def train_func(cfg_dict: dict) -> None:
-    """Entry point of every Ray Train worker."""
+def train_func(cfg_dict: dict, summaries=None) -> None:
+    """Entry point of every Ray Train worker. Rank 0 puts the final summary on ``summaries`` (a Ray queue)."""
     from ray_app.checkpoint import Checkpointer
     from ray_app.loop import Trainer
     from ray_app.metrics import NullMetrics, PrometheusMetrics
@@ -90,7 +91,9 @@ def train_func(cfg_dict: dict) -> None:
     metrics = NullMetrics()
     if runtime.rank == 0 and cfg.metrics.enabled:
         metrics = PrometheusMetrics(cfg.metrics.port)
-    Trainer(cfg, runtime, checkpointer, metrics).fit()
+    summary = Trainer(cfg, runtime, checkpointer, metrics).fit()
+    if summaries is not None and runtime.rank == 0:
+        summaries.put(summary)
 
 
 # ---------------------------------------------------------------- driver side
@@ -140,7 +143,7 @@ def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
                             "lower scaling.num_workers or add GPU nodes")
 
 
-def build_trainer(cfg: Config, storage):
+def build_trainer(cfg: Config, storage, summaries=None):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -149,7 +152,7 @@ def build_trainer(cfg: Config, storage):
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
     return TorchTrainer(
-        train_func,
+        functools.partial(train_func, summaries=summaries),
         train_loop_config=cfg.to_dict(),
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
@@ -187,14 +190,22 @@ def run_training(cfg: Config) -> dict:
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
     init_ray(cfg)
-    trainer = build_trainer(cfg, storage)
+    from ray.util.queue import Queue
+
+    # Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
+    # resume that trains nothing, empty with checkpoints off. Rank 0 hands over its summary instead.
+    summaries = Queue(actor_options={"num_cpus": 0})  # 0 CPUs: never takes a worker's slot
+    trainer = build_trainer(cfg, storage, summaries)
     result = trainer.fit()
+    final = None
+    while result.error is None and not summaries.empty():
+        final = summaries.get(timeout=30)
     import ray
 
     ray.shutdown()  # stop streaming worker logs so the summary really is the last line
     if result.error is not None:
         raise TrainingFailed(str(result.error).strip().splitlines()[-1][:500])
-    m = result.metrics or {}
+    m = final or result.metrics or {}
     ckpt = m.get("checkpoint") or (storage.uri(cfg.run.name, Path(result.checkpoint.path).name)
                                     if result.checkpoint else None)
     return {

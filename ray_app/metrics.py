@@ -163,7 +163,11 @@ class PrometheusMetrics(NullMetrics):
             self.registry.unregister(self.gpu_alloc)
             self.registry.unregister(self.gpu_max)
         self._serve()
-        self._announce(run)
+        if self.serving_port is not None:
+            self._announce(run)  # compose: a file_sd target naming only rank 0
+            from ray_app.podlabel import label_own_pod_as_metrics_target
+
+            label_own_pod_as_metrics_target()  # Kubernetes: the PodMonitor selects this pod (no-op elsewhere)
 
     def _serve(self, attempts: int = 50, delay: float = 0.2) -> None:
         """Bind the port; a just-killed predecessor may hold it for a moment."""

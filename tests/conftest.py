@@ -28,11 +28,16 @@ def free_port() -> int:
 def run_cli(args: list[str], env: dict | None = None, timeout: float = 120, cwd: str | os.PathLike | None = None):
     """Run ``python -m ray_app ARGS``; returns (returncode, stdout, stderr).
 
-    ``env`` entries are added to (not replacing) this process's environment.
+    ``env`` entries are added to (not replacing) this process's environment;
+    an entry whose value is None removes that variable (e.g. ``{"RAY_ADDRESS": None}``).
     ``cwd`` defaults to the repository root, where configs/local.yaml lives.
     """
     full_env = dict(os.environ)
-    full_env.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     proc = subprocess.run([sys.executable, "-m", "ray_app", *args], cwd=str(cwd or REPO), env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr

@@ -370,6 +370,17 @@ class ContainerCluster:
         return docker("inspect", "-f", f"{{{{(index .NetworkSettings.Networks \"{self.network}\").IPAddress}}}}",
                       container).stdout.strip()
 
+    def rank0_ip(self, run: str) -> str | None:
+        """The address rank 0 announced in its Prometheus target file (RAY_APP_METRICS_SD_DIR)."""
+        path = self.targets_dir / f"ray-app-{run}.json"
+        try:
+            return json.loads(path.read_text())[0]["targets"][0].rsplit(":", 1)[0]
+        except (OSError, ValueError, LookupError):
+            return None
+
+    def container_by_ip(self, ip: str) -> str:
+        return next(c for c in [self.head, *self.workers] if self.ip_of(c) == ip)
+
     def container_by_hostname(self, hostname: str) -> str:
         if hostname == "head":
             return self.head
@@ -406,7 +417,11 @@ class ContainerCluster:
 
     def job_status(self, submission_id: str) -> str:
         out = self.ray("job", "status", "--address", self.address, submission_id, timeout=60)
-        m = re.search(r"Status for job '[^']+': (?:JobStatus\.)?(\w+)", out.stdout + out.stderr)
+        text = out.stdout + out.stderr
+        final = re.search(r"Job '[^']+' (succeeded|failed|was stopped)", text)
+        if final:
+            return {"succeeded": "SUCCEEDED", "failed": "FAILED", "was stopped": "STOPPED"}[final.group(1)]
+        m = re.search(r"Status for job '[^']+': (?:JobStatus\.)?(\w+)", text)
         return m.group(1) if m else "UNKNOWN"
 
     def job_logs(self, submission_id: str) -> str:

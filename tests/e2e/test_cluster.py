@@ -19,7 +19,7 @@ from e2e_cluster import ContainerCluster, docker, rank_placements, summary_of, w
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 EPOCHS = 4            # job 1: short; checkpoint every epoch (configs/cluster.yaml)
-KILL_EPOCHS = 8       # job 2: long enough to kill a worker after the first checkpoint
+KILL_EPOCHS = 12      # job 2: ~1 s per epoch here; long enough to kill a worker after the first checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +95,12 @@ def test_killed_worker_container_resumes_from_newest_checkpoint(cluster):
                          wait=False, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
 
-    # Wait for the first committed checkpoint, then kill the container rank 0 runs in.
-    wait_until(lambda: cluster.s3.committed_steps(run), 300, interval=0.3, what="the first committed checkpoint")
-    placed = wait_until(lambda: rank_placements(cluster.job_logs(sid)).get(0), 60, what="rank 0's placement")
-    victim = cluster.container_by_hostname(placed[0])
-    assert victim in cluster.workers, placed
+    # Wait for the first committed checkpoint, then kill the container rank 0 runs
+    # in (found from the target file rank 0 wrote for Prometheus: no log round trip).
+    wait_until(lambda: cluster.s3.committed_steps(run), 300, interval=0.2, what="the first committed checkpoint")
+    rank0_ip = wait_until(lambda: cluster.rank0_ip(run), 30, interval=0.2, what="rank 0's metrics target file")
+    victim = cluster.container_by_ip(rank0_ip)
+    assert victim in cluster.workers, rank0_ip
     before_kill = cluster.s3.committed_steps(run)
     docker("kill", victim)
     killed_at = time.monotonic()

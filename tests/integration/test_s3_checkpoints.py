@@ -114,11 +114,14 @@ def test_preflight_command_ok(s3):
 def reference(s3):
     """The uninterrupted run every interrupted one must match bit for bit."""
     storage = f"s3://{s3.bucket}/ref"
-    rc, out, err = ray_app(["train", "--set", f"run.storage={storage}", "--set", "run.name=ref", *WORKLOAD], s3.env())
+    rc, out, err = ray_app(["train", "--set", f"run.storage={storage}", "--set", "run.name=ref", *WORKLOAD,
+                            "--set", "checkpoint.keep=2"], s3.env())
     assert rc == 0, err[-3000:]
     summary = summary_of(out)
     assert summary["checkpoint"].startswith(f"{storage}/ref/ckpt-s")
     assert summary["global_step"] == 4 * STEPS_PER_EPOCH
+    # 3 epoch checkpoints + the final one were written; checkpoint.keep=2 keeps the newest two
+    assert committed_steps(s3, "ref/ref/") == [3 * STEPS_PER_EPOCH, 4 * STEPS_PER_EPOCH]
     return model_state(s3, summary["checkpoint"])
 
 
@@ -136,10 +139,13 @@ def _train_workers(driver: psutil.Process) -> list[psutil.Process]:
 
 
 def test_worker_sigkill_mid_epoch_resumes_bit_identical(s3, reference):
-    """A training worker is SIGKILLed after a mid-epoch (step) checkpoint; Ray Train restarts the group."""
+    """A training worker is SIGKILLed after a mid-epoch (step) checkpoint; Ray Train restarts the group.
+
+    Uploads are async here: a checkpoint whose upload the kill interrupted has no
+    manifest and is skipped; the newest committed one is used."""
     storage, run = f"s3://{s3.bucket}/kill", "kill"
     args = ["train", "--set", f"run.storage={storage}", "--set", f"run.name={run}",
-            "--set", "checkpoint.every_steps=12", *WORKLOAD]
+            "--set", "checkpoint.every_steps=12", "--set", "checkpoint.upload=async", *WORKLOAD]
     proc = subprocess.Popen([sys.executable, "-m", "ray_app", *args], cwd=REPO, env=s3.env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -1,0 +1,478 @@
+"""Running one measured process: the kit (cold or warm) or its bare-torchrun twin.
+
+A run is described by a :class:`Spec`; :func:`run` starts it, timestamps
+every output line, polls the kit's Prometheus exporter, optionally SIGKILLs a
+worker, and returns a flat dict of figures (see ``run``). Start-up phases of
+the kit come from Ray's own logs in a temp dir that belongs to this run
+(``RAY_TMPDIR`` for a cold run, ``ray start --temp-dir`` for the warm cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from bench import parse
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the venv that runs the bench runs everything
+CONFIG = REPO / "configs" / "local.yaml"
+SKIP_STEPS = 5  # optimizer steps left out of the steady-state rate (kit and twin alike)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One process to measure. ``overrides`` are ``--set`` values shared by the kit and the twin."""
+
+    kind: str  # "kit" or "twin"
+    overrides: tuple[str, ...]
+    workers: int = 2
+    launch: str = "cold"  # kit: "cold" (ray-app train starts its own Ray) or "warm" (ray job submit)
+    storage: str = "local"  # kit: "local" or "s3"
+    kill: bool = False  # SIGKILL one worker after the first committed checkpoint (recovery case)
+    scrape_every: float = 5.0  # seconds between exporter scrapes once training runs (a Prometheus would scrape)
+
+    @property
+    def metrics_on(self) -> bool:
+        return self.kind == "kit" and "metrics.enabled=false" not in self.overrides
+
+    def value(self, key: str, default=None):
+        """The effective value of a --set key (the last one wins, as in ray-app)."""
+        found = default
+        for o in self.overrides:
+            if o.startswith(key + "="):
+                found = o.split("=", 1)[1]
+        return found
+
+    @property
+    def global_batch(self) -> int:
+        return int(self.value("data.batch_size", 32)) * self.workers
+
+
+@dataclass
+class Context:
+    """What every run shares: a scratch folder, the S3 server, the warm cluster."""
+
+    workdir: Path
+    s3: object = None  # tests.integration.s3server.S3Server
+    cluster: "WarmCluster | None" = None
+    counter: int = 0
+    timeout: float = 900
+    log: object = print
+
+    def next_dir(self, label: str) -> Path:
+        self.counter += 1
+        d = self.workdir / f"{self.counter:02d}"
+        d.mkdir(parents=True)
+        (d / "label").write_text(label)
+        return d
+
+
+# ---------------------------------------------------------------- output and exporter
+
+class LineRecorder(threading.Thread):
+    """Reads a process's output, keeps (arrival time, line) and copies it to a file."""
+
+    def __init__(self, stream, path: Path):
+        super().__init__(daemon=True)
+        self.stream, self.path, self.lines = stream, path, []
+
+    def run(self) -> None:
+        with open(self.path, "w") as f:
+            for line in self.stream:
+                self.lines.append((time.time(), line.rstrip("\n")))
+                f.write(line)
+                f.flush()
+
+    def text(self) -> list[str]:
+        return [line for _, line in self.lines]
+
+
+class ExporterPoller(threading.Thread):
+    """Polls rank 0's /metrics: fast (20 Hz) while waiting for a step, then slowly (like a scraper).
+
+    ``first_step`` is the first time ``ray_app_step_seconds_count`` >= 1 was seen; after
+    ``watch_resume()`` it records ``resume_step``: the first scrape of a resumed group with a step.
+    """
+
+    FAST = 0.05
+
+    def __init__(self, port: int, slow: float = 5.0):
+        super().__init__(daemon=True)
+        self.slow = slow
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.first_step = self.resume_step = None
+        self.last: dict = {}
+        self._watch_resume = False
+        self._stop = threading.Event()
+
+    def watch_resume(self) -> None:
+        self._watch_resume = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _scrape(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url, timeout=1) as r:
+                return parse.parse_prom(r.read().decode())
+        except OSError:
+            return None
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            m = self._scrape()
+            now = time.time()
+            if m:
+                self.last = m
+                stepped = m.get("ray_app_step_seconds_count", 0) >= 1
+                if stepped and self.first_step is None:
+                    self.first_step = now
+                if stepped and self._watch_resume and self.resume_step is None \
+                        and m.get("ray_app_resumed_from_step", 0) > 0:
+                    self.resume_step = now
+            waiting = self.first_step is None or (self._watch_resume and self.resume_step is None)
+            self._stop.wait(self.FAST if waiting else self.slow)
+
+
+# ---------------------------------------------------------------- warm cluster
+
+def _auth_env() -> dict:
+    token = Path.home() / ".ray" / "auth_token"
+    env = {"RAY_AUTH_MODE": "token"}
+    if token.exists():
+        env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    return env
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    """Processes whose command line contains ``text`` (a temp dir that only this bench uses)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if text in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_tree(roots: list[psutil.Process]) -> None:
+    procs = set()
+    for p in roots:
+        try:
+            procs |= {p, *p.children(recursive=True)}
+        except psutil.Error:
+            procs.add(p)
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(procs), timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+class WarmCluster:
+    """A local ``ray start --head`` with its own temp dir and ports; stopped by pid, never ``ray stop``."""
+
+    def __init__(self, workdir: Path, num_cpus: int):
+        self.temp = workdir / "rw"
+        self.num_cpus = num_cpus
+        self.dashboard_port = free_port()
+
+    def start(self) -> float:
+        t0 = time.time()
+        cmd = [str(BIN / "ray"), "start", "--head", "--temp-dir", str(self.temp), "--port", str(free_port()),
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+               "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+               "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180, env={**env, **_auth_env()})
+        self._wait_for_jobs_api()
+        return time.time() - t0
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def _wait_for_jobs_api(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.address}/api/version", timeout=2).close()
+                return
+            except urllib.error.HTTPError:  # 401 without the token: the server is up
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"warm cluster's job API at {self.address} did not come up")
+
+    def raylet(self) -> list[psutil.Process]:
+        return [p for p in processes_mentioning(str(self.temp)) if "raylet" in p.name()]
+
+    def logs(self) -> Path:
+        return self.temp / "session_latest" / "logs"
+
+    def stop(self) -> None:
+        kill_tree(processes_mentioning(str(self.temp)))
+
+
+# ---------------------------------------------------------------- commands
+
+def _sets(overrides) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def kit_command(spec: Spec, ctx: Context, d: Path, port: int) -> tuple[list[str], dict, str]:
+    """(argv, env, run URI) for one kit run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    if spec.storage == "s3":
+        env.update(ctx.s3.env())
+        storage = f"s3://{ctx.s3.bucket}/bench"
+    else:
+        storage = str(d / "runs")
+    name = f"bench-{d.name}-{os.getpid()}"
+    overrides = [*spec.overrides, f"scaling.num_workers={spec.workers}", f"run.storage={storage}",
+                 f"run.name={name}", f"metrics.port={port}"]
+    train = ["train", "--config", str(CONFIG), *_sets(overrides), "--summary", str(d / "summary.json")]
+    if spec.launch == "warm":
+        env.update(_auth_env())
+        argv = [str(BIN / "ray"), "job", "submit", "--address", ctx.cluster.address, "--",
+                str(BIN / "python"), "-m", "ray_app", *train]
+    else:
+        env["RAY_TMPDIR"] = str(d / "r")  # Ray's logs for this run only (start-up phases)
+        argv = [str(BIN / "ray-app"), *train]
+    return argv, env, f"{storage}/{name}"
+
+
+def twin_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(REPO / "bench" / "twin.py"), "--config", str(CONFIG), *_sets(spec.overrides),
+            "--out", str(d / "twin.jsonl"), "--skip-steps", str(SKIP_STEPS)]
+    if spec.kill:
+        args += ["--ckpt-dir", str(d / "ckpt"), "--ckpt-every-steps", spec.value("checkpoint.every_steps", "20")]
+    restarts = ["--max-restarts", "1"] if spec.kill else []
+    argv = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(spec.workers), *restarts, *args]
+    return argv, env
+
+
+# ---------------------------------------------------------------- killing a worker
+
+def _is_rank0(p: psutil.Process, port: int | None) -> bool:
+    try:
+        if port and any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                        for c in p.net_connections()):
+            return True
+        return p.environ().get("RANK") == "0"
+    except psutil.Error:
+        return False
+
+
+def train_workers(roots: list[psutil.Process], marker: str) -> list[psutil.Process]:
+    out = []
+    for root in roots:
+        try:
+            kids = root.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in kids:
+            try:
+                if marker in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.Error:
+                continue
+    return out
+
+
+def _first_checkpoint_written(spec: Spec, ctx: Context, d: Path, run_uri: str) -> bool:
+    if spec.kind == "twin":
+        return (d / "ckpt" / "twin.pt").exists()
+    if spec.storage == "s3":
+        prefix = run_uri[len(f"s3://{ctx.s3.bucket}/"):] + "/"
+        return any(k.endswith("/manifest.json") for k in ctx.s3.snapshot(prefix))
+    return any(Path(run_uri).glob("ckpt-s*/manifest.json"))
+
+
+def kill_one_worker(spec: Spec, ctx: Context, d: Path, proc, run_uri: str, port: int | None,
+                    timeout: float = 300) -> float | None:
+    """Wait for the first committed checkpoint, then SIGKILL one non-rank-0 worker. Returns the kill time."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if _first_checkpoint_written(spec, ctx, d, run_uri):
+            break
+        time.sleep(0.1)
+    else:
+        return None
+    roots = [psutil.Process(proc.pid)]
+    marker = "twin.py" if spec.kind == "twin" else "RayTrainWorker"
+    if spec.kind == "kit" and spec.launch == "warm":
+        roots = ctx.cluster.raylet()
+    workers = [p for p in train_workers(roots, marker) if not _is_rank0(p, port)]
+    if not workers:
+        return None
+    os.kill(workers[-1].pid, signal.SIGKILL)  # from outside, like a crash
+    return time.time()
+
+
+# ---------------------------------------------------------------- one run
+
+def run(spec: Spec, ctx: Context, label: str) -> dict:
+    """Start, watch and measure one process. Figures: wall_s, first_step_s (since the process started),
+    steady_sps, breakdown {phase: s}, losses, ckpt_blocked_s, recovery_s; ``*_source`` says how each was taken."""
+    d = ctx.next_dir(label)
+    port = free_port() if spec.metrics_on else None
+    if spec.kind == "kit":
+        argv, env, run_uri = kit_command(spec, ctx, d, port or free_port())
+    else:
+        (argv, env), run_uri = twin_command(spec, d), ""
+    load1 = os.getloadavg()[0]
+    t0 = time.time()
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    recorder = LineRecorder(proc.stdout, d / "output.log")
+    recorder.start()
+    poller = ExporterPoller(port, spec.scrape_every) if port else None
+    if poller:
+        poller.start()
+    t_kill = None
+    try:
+        if spec.kill:
+            t_kill = kill_one_worker(spec, ctx, d, proc, run_uri, port)
+            if poller:
+                poller.watch_resume()
+        rc = proc.wait(timeout=ctx.timeout)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    finally:
+        t_end = time.time()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if poller:
+            poller.stop()
+        recorder.join(timeout=10)
+        if spec.kind == "kit" and spec.launch == "cold":
+            kill_tree(processes_mentioning(str(d / "r")))  # leftovers of a crashed run's Ray
+    result = {"label": label, "kind": spec.kind, "launch": spec.launch if spec.kind == "kit" else "torchrun",
+              "workers": spec.workers, "dir": str(d), "rc": rc, "t0": t0, "t_end": t_end,
+              "wall_s": round(t_end - t0, 3), "load1": load1}
+    if spec.kind == "kit":
+        _kit_figures(result, spec, ctx, d, recorder, poller, t0, t_end, t_kill)
+    else:
+        _twin_figures(result, d, recorder, t0, t_kill)
+    if t_kill is None and spec.kill:
+        result["recovery_s"] = None
+    return result
+
+
+def _summary(d: Path) -> dict:
+    try:
+        return json.loads((d / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _kit_figures(res, spec, ctx, d, recorder, poller, t0, t_end, t_kill) -> None:
+    summary = _summary(d)
+    res["summary"] = summary
+    rows = parse.progress_lines(recorder.text())
+    res["losses"] = parse.loss_trace(rows)
+    # steady-state rate: the summary's own figure when the kit reports it, else its progress lines
+    if summary.get("steady_samples_per_second"):
+        res["steady_sps"], res["steady_source"] = summary["steady_samples_per_second"], "summary"
+    else:
+        res["steady_sps"] = parse.steady_from_progress(rows, spec.global_batch, SKIP_STEPS)
+        res["steady_source"] = "progress lines"
+    first = summary.get("first_step_unix") if not spec.kill else None
+    source = "summary"
+    if first is None and poller is not None:
+        first, source = poller.first_step, "exporter poll (20 Hz)"
+    res["first_step_unix"] = first
+    res["first_step_s"] = round(first - t0, 3) if first else None
+    res["first_step_source"] = source if first else None
+    _kit_checkpoint_figures(res, summary, poller)
+    logs = _kit_logs(spec, ctx, d)
+    events = {"t0": t0, "first_step": first}
+    if logs is not None:
+        if spec.launch == "cold":
+            sessions = sorted(logs.parent.parent.glob("session_2*"))
+            events["ray_session"] = parse.session_start(sessions[0]) if sessions else None
+        events["driver_connected"] = parse.driver_connected(logs, t0)
+        records = parse.train_log_records(logs, t0, t_end)
+        events.update(parse.train_events(records))
+        if t_kill:
+            res["restart_events_s"] = {k: round(v - t_kill, 3) for k, v in parse.restart_events(records, t_kill).items()}
+    table = parse.KIT_COLD_PHASES if spec.launch == "cold" else parse.KIT_WARM_PHASES
+    res["breakdown"] = parse.phases(events, table)
+    if spec.kill:
+        resume = summary.get("first_step_unix") or (poller.resume_step if poller else None)
+        res["recovery_s"] = round(resume - t_kill, 3) if resume and t_kill else None
+        res["recovery_source"] = ("summary" if summary.get("first_step_unix") else "exporter poll") if resume else None
+        res["resumed_from_step"] = summary.get("resumed_from_step")
+
+
+def _kit_checkpoint_figures(res, summary, poller) -> None:
+    if summary.get("checkpoint_blocked_seconds") is not None and summary.get("checkpoints_written"):
+        res["ckpt_blocked_s"] = summary["checkpoint_blocked_seconds"] / summary["checkpoints_written"]
+        res["ckpt_blocked_source"] = "summary"
+    elif poller is not None and poller.last.get("ray_app_checkpoint_blocked_seconds_count"):
+        m = poller.last
+        res["ckpt_blocked_s"] = m["ray_app_checkpoint_blocked_seconds_sum"] / m["ray_app_checkpoint_blocked_seconds_count"]
+        res["ckpt_blocked_source"] = f"exporter ({int(m['ray_app_checkpoint_blocked_seconds_count'])} checkpoints seen)"
+
+
+def _kit_logs(spec: Spec, ctx: Context, d: Path) -> Path | None:
+    if spec.launch == "warm":
+        return ctx.cluster.logs()
+    sessions = sorted((d / "r" / "ray").glob("session_2*"))
+    return sessions[-1] / "logs" if sessions else None
+
+
+def _twin_figures(res, d, recorder, t0, t_kill) -> None:
+    lines = []
+    try:
+        lines = [json.loads(x) for x in (d / "twin.jsonl").read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        pass
+    rows = parse.progress_lines(recorder.text())
+    res["losses"] = parse.loss_trace(rows)
+    first = lines[0] if lines else {}
+    res["summary"] = first
+    res["steady_sps"], res["steady_source"] = first.get("steady_samples_per_second"), "twin (per-step timer)"
+    fs = res["first_step_unix"] = first.get("first_step_unix")
+    res["first_step_s"] = round(fs - t0, 3) if fs else None
+    res["first_step_source"] = "twin (in process)" if fs else None
+    stamps = dict(first.get("stamps", {}), t0=t0)
+    res["breakdown"] = parse.phases(stamps, parse.TWIN_PHASES)
+    if t_kill:
+        resumed = [x for x in lines if x.get("attempt", 0) >= 1]
+        fs2 = resumed[-1].get("first_step_unix") if resumed else None
+        res["recovery_s"] = round(fs2 - t_kill, 3) if fs2 else None
+        res["recovery_source"] = "twin (in process)" if fs2 else None
+        res["resumed_from_step"] = resumed[-1].get("resumed_from_step") if resumed else None
+        if resumed:
+            s = resumed[-1].get("stamps", {})
+            res["restart_phases_s"] = {k: round(v - t_kill, 3) for k, v in s.items() if v}

@@ -1,0 +1,220 @@
+"""Pure parsing for the bench: progress lines, Prometheus text, Ray Train's logs, start-up phases.
+
+No processes are started here (tests/unit/test_bench_parse.py covers it).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+import statistics
+from pathlib import Path
+
+# "epoch 0 step 20/64 loss 2.3012 lr 0.05 1,234 samples/s eta 0:00:03" (kit); the twin stops after the loss
+PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+) loss (\S+)(?: lr \S+ ([\d,.]+) samples/s)?")
+PROM_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+SESSION_DIR = re.compile(r"session_(\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2})_(\d{6})_\d+$")
+CORE_LOG_TIME = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3})")
+
+# Ray Train V2 "sys" log messages (logs/train/ray-train-sys-*.log, JSON, written at DEBUG whatever
+# the run's LoggingConfig) -> event name; "first" keeps the earliest match, "last" the latest.
+TRAIN_EVENTS = (
+    ("Attempting to start training worker group", "group_requested", "first"),
+    ("worker actors created", "workers_created", "first"),
+    ("Train context initialized on workers", "context_ready", "first"),
+    ("Setting up process group", "pg_setup", "first"),
+    ("Launching training function", "train_fn_launched", "last"),
+    ("Moving model to device", "model_built", "last"),
+    ("Wrapping provided model in DistributedDataParallel", "ddp_wrapping", "last"),
+)
+
+
+# ---------------------------------------------------------------- progress lines
+
+def progress_lines(lines: list[str]) -> list[dict]:
+    """Every progress line (kit or twin) as {epoch, step, total, loss, sps}; sps is None for the twin."""
+    out = []
+    for line in lines:
+        m = PROGRESS.search(line)
+        if not m:
+            continue
+        sps = float(m.group(5).replace(",", "")) if m.group(5) else None
+        out.append({"epoch": int(m.group(1)), "step": int(m.group(2)), "total": int(m.group(3)),
+                    "loss": float(m.group(4)), "sps": sps})
+    return out
+
+
+def steady_from_progress(rows: list[dict], global_batch: int, skip_steps: int) -> float | None:
+    """Global samples/s over the logging intervals that start after ``skip_steps`` (kit progress lines).
+
+    Each line reports its interval's rate; the interval's samples are (steps since the previous line)
+    x global batch, so its duration is samples / rate. Lines of a resumed attempt (step going back) end it.
+    """
+    samples = seconds = 0.0
+    prev = 0
+    for r in rows:
+        if r["step"] <= prev:
+            break
+        n = (r["step"] - prev) * global_batch
+        if prev >= skip_steps and r["sps"]:
+            samples += n
+            seconds += n / r["sps"]
+        prev = r["step"]
+    return samples / seconds if seconds else None
+
+
+def loss_trace(rows: list[dict]) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def same_losses(a: list[tuple[int, float]], b: list[tuple[int, float]], tol: float = 1e-4) -> bool | None:
+    """Do two runs log the same loss at the same steps (the kit and its twin do identical work)?"""
+    common = dict(a).keys() & dict(b).keys()
+    if not common:
+        return None
+    da, db = dict(a), dict(b)
+    return all(abs(da[s] - db[s]) <= tol * max(1.0, abs(da[s])) for s in common)
+
+
+# ---------------------------------------------------------------- Prometheus text
+
+def parse_prom(text: str) -> dict[str, float]:
+    """Prometheus text format -> {name: value} (labels dropped; the exporter has one series per name)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = PROM_LINE.match(line)
+        if m and not m.group(1).endswith("_bucket"):
+            try:
+                out[m.group(1)] = float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+# ---------------------------------------------------------------- Ray logs
+
+def _local_ts(text: str, fmt: str = "%Y-%m-%d %H:%M:%S", micros: int = 0) -> float:
+    """Ray writes local time without a zone; this machine's zone turns it into unix time."""
+    return _dt.datetime.strptime(text, fmt).replace(microsecond=micros).timestamp()
+
+
+def session_start(session: Path) -> float | None:
+    """Unix time encoded in a Ray session directory name (when the node started)."""
+    m = SESSION_DIR.search(session.name)
+    return _local_ts(m.group(1), "%Y-%m-%d_%H-%M-%S", int(m.group(2))) if m else None
+
+
+def _core_log_first(path: Path) -> float | None:
+    try:
+        with open(path, errors="replace") as f:
+            m = CORE_LOG_TIME.match(f.readline())
+    except OSError:
+        return None
+    return _local_ts(m.group(1), micros=int(m.group(2)) * 1000) if m else None
+
+
+def driver_connected(logs: Path, after: float) -> float | None:
+    """First line of the earliest driver core-worker log written after ``after`` (ray.init connected)."""
+    times = [t for t in (_core_log_first(p) for p in logs.glob("python-core-driver-*.log")) if t and t >= after]
+    return min(times) if times else None
+
+
+def train_log_records(logs: Path, after: float, before: float) -> list[dict]:
+    """Ray Train sys-log records (controller and workers) with after <= time <= before, oldest first."""
+    records = []
+    for path in (logs / "train").glob("ray-train-sys-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            t = d.get("timestamp_ns", 0) / 1e9
+            if after <= t <= before:
+                records.append({"t": t, "msg": d.get("message", ""), "component": d.get("component", ""),
+                                "process": d.get("process")})
+    return sorted(records, key=lambda r: r["t"])
+
+
+def train_events(records: list[dict]) -> dict[str, float]:
+    """The start-up events of the *first* worker group in ``records`` (see TRAIN_EVENTS)."""
+    ev: dict[str, float] = {}
+    controller = [r["t"] for r in records if r["component"] == "controller"]
+    if controller:
+        ev["controller_up"] = controller[0]
+    started = [r["t"] for r in records if "Started training worker group" in r["msg"]]
+    horizon = started[0] + 120 if started else float("inf")  # a later group (restart) is not start-up
+    for needle, name, which in TRAIN_EVENTS:
+        hits = [r["t"] for r in records if needle in r["msg"] and r["t"] <= horizon]
+        if hits and name in ("group_requested", "workers_created", "context_ready", "pg_setup"):
+            ev[name] = hits[0]
+        elif hits:
+            # per-rank events: the slowest rank of the first group decides
+            first_group = [t for t in hits if t <= hits[0] + 60]
+            ev[name] = max(first_group) if which == "last" else min(first_group)
+    return ev
+
+
+def restart_events(records: list[dict], t_kill: float) -> dict[str, float]:
+    """Events of the worker group started after a kill at ``t_kill``."""
+    later = [r for r in records if r["t"] >= t_kill]
+    ev = {}
+    for needle, name in (("Attempting to start training worker group", "group_requested"),
+                         ("worker actors created", "workers_created"),
+                         ("Train context initialized on workers", "context_ready"),
+                         ("Launching training function", "train_fn_launched")):
+        hits = [r["t"] for r in later if needle in r["msg"]]
+        if hits:
+            ev[name] = hits[0]
+    return ev
+
+
+# ---------------------------------------------------------------- start-up phases
+
+_KIT_TAIL = (  # (label, from event, to event)
+    ("TorchTrainer + controller actor", "driver_connected", "controller_up"),
+    ("placement + worker processes", "controller_up", "workers_created"),
+    ("train context on workers", "workers_created", "context_ready"),
+    ("process group", "context_ready", "train_fn_launched"),
+    ("data + model build", "train_fn_launched", "model_built"),
+    ("DDP wrap, restore, first step", "model_built", "first_step"),
+)
+KIT_COLD_PHASES = (
+    ("CLI + imports + config + preflight", "t0", "ray_session"),
+    ("Ray start (ray.init)", "ray_session", "driver_connected"),
+    *_KIT_TAIL,
+)
+KIT_WARM_PHASES = (
+    ("job submit -> driver connected", "t0", "driver_connected"),
+    *_KIT_TAIL,
+)
+TWIN_PHASES = (
+    ("torchrun + python start", "t0", "script"),
+    ("imports (torch, model/data code)", "script", "imports"),
+    ("process group", "imports", "process_group"),
+    ("data", "process_group", "data"),
+    ("model + DDP", "data", "model"),
+    ("first step", "model", "first_step"),
+)
+
+
+def phases(events: dict[str, float], table) -> dict[str, float]:
+    """Seconds per phase where both ends are known."""
+    out = {}
+    for label, a, b in table:
+        if events.get(a) is not None and events.get(b) is not None:
+            out[label] = round(events[b] - events[a], 3)
+    return out
+
+
+# ---------------------------------------------------------------- statistics
+
+def median(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None

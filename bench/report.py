@@ -1,0 +1,219 @@
+"""bench/RESULTS.md, results.json and results.png from the runner's figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from bench import parse
+
+METHOD = """\
+- **Same work.** The twin (`bench/twin.py`) reads the same config and `--set` values as `ray-app train`, builds
+  the model and data with the kit's own factories, and runs plain torch: `DistributedSampler`, DDP with its
+  defaults, SGD momentum 0.9, the same LR schedule, global-mean loss every `train.log_every_steps`, exact
+  evaluation after every epoch, gloo, `OMP_NUM_THREADS=1`, launched by `torchrun --standalone`. The
+  "same losses" note compares the loss both print at each logged step.
+- **Steady-state samples/s**: global samples over the wall time of optimizer steps after the first 5
+  (time between epochs, i.e. evaluation and checkpoints, is not a step). The twin times each step in process;
+  the kit's figure comes from the summary's `steady_samples_per_second` when it has one, else from its
+  progress lines (each line carries its interval's samples/s; intervals after step 5 are combined).
+- **Time to first step**: from the moment the runner starts the process (`ray-app train`, `ray job submit`,
+  or `torchrun`) to the end of the first optimizer step. The twin stamps it in process; the kit: the summary's
+  `first_step_unix` when present, else the first scrape of rank 0's exporter (polled at 20 Hz) showing
+  `ray_app_step_seconds_count >= 1`. Phases come from Ray's own logs of that run (session start, driver
+  core-worker log, Ray Train's controller/worker sys logs) and the twin's in-process stamps.
+- **Checkpoint cost** (to `moto_server`, an S3 API server on 127.0.0.1): blocked time per checkpoint is
+  `ray_app_checkpoint_blocked_seconds` (sum/count, summary or exporter); end-to-end is first step -> process
+  exit (every epoch's checkpoint and the final one included) against the same run without checkpoints.
+- **Recovery**: a non-rank-0 worker gets SIGKILL right after the first committed checkpoint; the figure is
+  SIGKILL -> first optimizer step of the restarted worker group (kit: Ray Train restart; twin:
+  `torchrun --max-restarts 1` and a `torch.save` checkpoint at the same cadence).
+- Medians over the rounds; rounds interleave kit and twin (A B A B ...).
+"""
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_gib() -> str:
+    try:
+        import psutil
+
+        return f"{psutil.virtual_memory().total / 2**30:.1f}"
+    except Exception:
+        return "?"
+
+
+def machine_details() -> dict:
+    import ray
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": _cpu_model(),
+            "cores": os.cpu_count(), "memory_gib": _mem_gib(), "python": platform.python_version(),
+            "torch": torch.__version__, "ray": ray.__version__, "gpus": gpus, "load_average": load_average()}
+
+
+def dataparallel_note(gpus: int) -> str:
+    if gpus >= 2:
+        return f"DataParallel baseline: {gpus} GPUs present; run bench/gpu.sh for the GPU figures."
+    return (f"DataParallel baseline (one process, many GPUs, from the source article): skipped -- it needs at "
+            f"least 2 CUDA GPUs and this machine has {gpus}.")
+
+
+# ---------------------------------------------------------------- tables
+
+def _num(v, digits=2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return f"{v:,.{digits}f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    out = ["| case | metric | kit | twin / reference | ratio | target | met |",
+           "| --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        note = f" ({r['note']})" if r.get("note") else ""
+        out.append(f"| ({r['case']}) | {r['metric']}{note} | {_num(r['kit'])} | {_num(r['ref'])} | "
+                   f"{_num(r['ratio'], 3)} | {r['target']} | {_num(r['ok'])} |")
+    return out
+
+
+def _median_phases(runs: list[dict]) -> dict[str, float]:
+    labels = []
+    for run in runs:
+        for k in run.get("breakdown", {}):
+            if k not in labels:
+                labels.append(k)
+    return {k: parse.median(r.get("breakdown", {}).get(k) for r in runs) for k in labels}
+
+
+def startup_lines(runner) -> list[str]:
+    if "c" not in runner.cases:
+        return []
+    out = ["", "## (c) Where start-up time goes (medians, seconds)", ""]
+    for name in ("kit cold", "kit warm", "twin"):
+        runs = runner.runs("c", name)
+        ph = _median_phases(runs)
+        first = parse.median(r.get("first_step_s") for r in runs)
+        out.append(f"**{name}** -- first step after {_num(first)} s")
+        out.append("")
+        out += ["| phase | s |", "| --- | ---: |"] + [f"| {k} | {_num(v)} |" for k, v in ph.items()]
+        out.append("")
+    if runner.cluster_start_s:
+        out.append(f"Starting the warm cluster itself (`ray start --head`, until its job API answers): "
+                   f"{_num(parse.median(runner.cluster_start_s))} s (not counted in warm).")
+    return out
+
+
+def detail_lines(runner) -> list[str]:
+    out = []
+    if "d" in runner.cases:
+        out += ["", "## (d) Checkpoints (about 294 MB: wide_mlp 44x44 model + SGD momentum) to moto_server", ""]
+        for name in ("none", "sync", "async"):
+            for r in runner.runs("d", name):
+                out.append(f"- {name}: blocked/ckpt {_num(r.get('ckpt_blocked_s'))} s "
+                           f"({r.get('ckpt_blocked_source') or 'n/a'}), wall {_num(r['wall_s'])} s, "
+                           f"first step -> exit {_num(r['t_end'] - r['first_step_unix'] if r.get('first_step_unix') else None)} s")
+    if "e" in runner.cases:
+        out += ["", "## (e) Recovery detail", ""]
+        for side in ("kit", "twin"):
+            for r in runner.runs("e", side):
+                extra = r.get("restart_events_s") or r.get("restart_phases_s") or {}
+                out.append(f"- {side}: SIGKILL -> first step {_num(r.get('recovery_s'))} s "
+                           f"(resumed from step {r.get('resumed_from_step')}); seconds after the kill: "
+                           + ", ".join(f"{k} {_num(v)}" for k, v in extra.items()))
+    return out
+
+
+def runs_lines(runner) -> list[str]:
+    out = ["", "## Every run", "", "| run | exit | load (1 min) | wall s | first step s | steady samples/s | sources |",
+           "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for res in runner.results.values():
+        src = ", ".join(f"{k.split('_source')[0]}: {res[k]}" for k in res if k.endswith("_source") and res[k])
+        out.append(f"| {res['label']} ({res['kind']}, {res['launch']}, {res['workers']} w) | {res['rc']} | "
+                   f"{res['load1']:.1f} | {_num(res['wall_s'])} | {_num(res.get('first_step_s'))} | "
+                   f"{_num(res.get('steady_sps'), 1)} | {src} |")
+    return out
+
+
+def write(out: Path, rows: list[dict], runner, machine: dict, smoke: bool) -> None:
+    loads = [r["load1"] for r in runner.results.values()]
+    head = [f"# Benchmarks: the kit vs bare torchrun{' (SMOKE: tiny sizes, numbers mean nothing)' if smoke else ''}",
+            "", "Generated by `make bench` (`bench/run.py`); see the method below.", "",
+            "| machine | |", "| --- | --- |",
+            f"| CPU | {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB |",
+            f"| software | Python {machine['python']}, torch {machine['torch']}, Ray {machine['ray']} |",
+            f"| load average before / after | {machine['load_average']} / {machine.get('load_average_after', '?')} |",
+            f"| 1-min load at each run's start | min {min(loads, default=0):.1f}, "
+            f"median {parse.median(loads) or 0:.1f}, max {max(loads, default=0):.1f} |",
+            f"| date, duration | {machine['date']}, {machine.get('bench_minutes', '?')} min, "
+            f"{runner.rounds} interleaved round(s) |", "", "## Figures", ""]
+    body = head + table_lines(rows) + ["", dataparallel_note(machine["gpus"])]
+    body += startup_lines(runner) + detail_lines(runner) + ["", "## Method", "", METHOD] + runs_lines(runner)
+    (out / "RESULTS.md").write_text("\n".join(body) + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"machine": machine, "rows": rows, "runs": list(runner.results.values())}, indent=1, default=str))
+    chart(out / "results.png", rows, runner)
+
+
+# ---------------------------------------------------------------- chart
+
+def chart(path: Path, rows: list[dict], runner) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    thr = [r for r in rows if r["case"] in ("a", "b", "f") and r["ratio"] is not None]
+    ax1.bar([f"({r['case']}) {r['metric'].split('(')[0].strip()[:28]}" for r in thr], [r["ratio"] for r in thr],
+            color=["tab:green" if r["ok"] else "tab:orange" for r in thr])
+    for y in (0.97, 0.98):
+        ax1.axhline(y, color="grey", lw=0.8, ls="--")
+    ax1.set_ylim(0, 1.1)
+    ax1.set_ylabel("ratio (kit / twin; efficiency for f)")
+    ax1.set_title("throughput")
+    ax1.tick_params(axis="x", labelrotation=20, labelsize=7)
+    _startup_bars(ax2, runner)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _startup_bars(ax, runner) -> None:
+    ax.set_title("time to first step: phases (medians)")
+    ax.set_xlabel("seconds from process start")
+    if "c" not in runner.cases:
+        return
+    names = ["kit cold", "kit warm", "twin"]
+    cmap = __import__("matplotlib").colormaps["tab20"]
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        left = 0.0
+        for label, sec in _median_phases(runner.runs("c", name)).items():
+            if sec is None:
+                continue
+            idx = seen.setdefault(label, len(seen))
+            ax.barh(i, sec, left=left, color=cmap(idx % 20), label=label)
+            left += max(sec, 0)
+    ax.set_yticks(range(len(names)), names)
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys(), fontsize=6, loc="lower right")

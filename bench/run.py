@@ -1,0 +1,309 @@
+"""The kit side by side with bare torchrun: `make bench` (full) and `make bench-smoke` (CI).
+
+    python bench/run.py                 # every case, 3 interleaved rounds -> bench/RESULTS.md, bench/results.png
+    python bench/run.py --smoke         # every case once at tiny size; checks the outputs are well-formed
+    python bench/run.py --cases a,c --rounds 5
+
+Cases (issue 7): (a) steady-state samples/s, compute-bound; (b) communication-bound;
+(c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
+sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
+(g) metrics exporter on vs off. Each round runs every case's processes once, in
+order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import measure, parse, report  # noqa: E402
+from bench.measure import Spec  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+
+# ---------------------------------------------------------------- workloads (--set values, kit and twin alike)
+
+_COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
+WORKLOADS = {
+    "full": {
+        # ~25 s of training each on 2 cores
+        "compute": (*_COMMON, "model.name=resnet18", "data.image_size=32", "data.num_samples=4096",
+                    "data.batch_size=32", "train.epochs=2", "train.log_every_steps=5"),
+        "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=32", "data.num_samples=3072",
+                 "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5"),
+        # wide_mlp at 44x44: 36.7M parameters, model + SGD momentum = 294 MB per checkpoint
+        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.image_size=44", "data.num_samples=2560",
+                 "data.batch_size=32", "train.epochs=3", "train.lr=0.01", "train.log_every_steps=5",
+                 "checkpoint.keep=2"),
+        "recovery": (*_COMMON, "model.name=digits_cnn", "data.image_size=32", "data.num_samples=4096",
+                     "data.batch_size=32", "train.epochs=2", "train.log_every_steps=8",
+                     "checkpoint.every_steps=16"),
+        "startup_steps": 8,
+    },
+    "smoke": {
+        "compute": (*_COMMON, "model.name=digits_cnn", "data.image_size=8", "data.num_samples=256",
+                    "data.batch_size=16", "train.epochs=2", "train.log_every_steps=2"),
+        "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=8", "data.num_samples=256",
+                 "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2"),
+        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.image_size=8", "data.num_samples=256",
+                 "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2",
+                 "checkpoint.keep=2"),
+        "recovery": (*_COMMON, "model.name=digits_cnn", "data.image_size=8", "data.num_samples=1024",
+                     "data.batch_size=16", "train.epochs=2", "train.log_every_steps=8",
+                     "checkpoint.every_steps=8"),
+        "startup_steps": 0,  # smoke: the compute workload's runs serve case (c) too
+    },
+}
+
+
+class Plan:
+    """Which processes each case needs (one list per round) and how to turn results into rows."""
+
+    def __init__(self, size: str):
+        w = WORKLOADS[size]
+        self.smoke = size == "smoke"
+        kit_launch = "warm" if self.smoke else "cold"  # smoke: one warm cluster keeps CI short
+        kit = lambda o, **kw: Spec("kit", o, launch=kw.pop("launch", kit_launch), **kw)  # noqa: E731
+        twin = lambda o, **kw: Spec("twin", o, **kw)  # noqa: E731
+        startup = w["compute"] + ((f"train.max_steps={w['startup_steps']}",) if w["startup_steps"] else ())
+        off = ("metrics.enabled=false",)
+        ckpt = {"none": w["ckpt"],
+                "sync": w["ckpt"] + ("checkpoint.every_epochs=1", "checkpoint.upload=sync"),
+                "async": w["ckpt"] + ("checkpoint.every_epochs=1", "checkpoint.upload=async")}
+        scrape = 0.5  # the checkpoint histogram must be read between a checkpoint and the end
+        self.specs = {
+            "a": {"kit": kit(w["compute"]), "twin": twin(w["compute"])},
+            "b": {"kit": kit(w["comm"]), "twin": twin(w["comm"])},
+            "c": {"kit cold": kit(startup, launch="cold"), "twin": twin(startup), "kit warm": kit(startup, launch="warm")},
+            "d": {name: kit(o, storage="s3", scrape_every=scrape) for name, o in ckpt.items()},
+            "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
+            "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
+                  "kit 1": kit(w["compute"], workers=1), "twin 1": twin(w["compute"], workers=1)},
+            "g": {"on": kit(w["compute"]), "off": kit(w["compute"] + off)},
+        }
+
+
+# ---------------------------------------------------------------- running
+
+class Runner:
+    def __init__(self, plan: Plan, cases: list[str], rounds: int, workdir: Path, log=print):
+        self.plan, self.cases, self.rounds, self.log = plan, cases, rounds, log
+        self.ctx = measure.Context(workdir=workdir, log=log, timeout=300 if plan.smoke else 900)
+        self.results: dict[tuple[Spec, int], dict] = {}
+        self.cluster_start_s: list[float] = []
+
+    def needs(self, pred) -> bool:
+        return any(pred(s) for c in self.cases for s in self.plan.specs[c].values())
+
+    def __enter__(self):
+        try:
+            if self.needs(lambda s: s.storage == "s3"):
+                from tests.integration.s3server import start_s3_server
+
+                self.ctx.s3 = start_s3_server(self.ctx.workdir / "moto.log")
+            if self.plan.smoke and self.needs(lambda s: s.launch == "warm"):
+                self._cluster_up()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._cluster_down()
+        if self.ctx.s3 is not None:
+            self.ctx.s3.stop()
+
+    def _cluster_up(self) -> None:
+        if self.ctx.cluster is None:
+            self.ctx.cluster = measure.WarmCluster(self.ctx.workdir, num_cpus=os.cpu_count())
+            self.cluster_start_s.append(self.ctx.cluster.start())  # stopped by __exit__ even if this fails
+            time.sleep(2)  # let the head settle: "warm" means already running
+
+    def _cluster_down(self) -> None:
+        if self.ctx.cluster is not None:
+            self.ctx.cluster.stop()
+            self.ctx.cluster = None
+
+    def run_all(self) -> None:
+        for rnd in range(self.rounds):
+            for case in self.cases:
+                for name, spec in self.plan.specs[case].items():
+                    self._run(spec, rnd, f"{case}/{name} round {rnd + 1}")
+
+    def _run(self, spec: Spec, rnd: int, label: str) -> None:
+        if (spec, rnd) in self.results:
+            return
+        if spec.launch == "warm" and spec.kind == "kit":
+            self._cluster_up()
+        t = time.time()
+        res = measure.run(spec, self.ctx, label)
+        self.results[(spec, rnd)] = res
+        self.log(f"[bench] {label}: rc={res['rc']} wall {res['wall_s']:.1f}s first step {res.get('first_step_s')} "
+                 f"steady {_fmt(res.get('steady_sps'))} samples/s load {res['load1']:.1f} ({time.time() - t:.0f}s)")
+        if spec.launch == "warm" and not self.plan.smoke:
+            self._cluster_down()  # an idle cluster would steal CPU from the other cases
+
+    def runs(self, case: str, name: str) -> list[dict]:
+        spec = self.plan.specs[case][name]
+        return [self.results[(spec, r)] for r in range(self.rounds) if (spec, r) in self.results]
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+# ---------------------------------------------------------------- figures per case
+
+def med(runs: list[dict], key: str):
+    return parse.median(r.get(key) for r in runs)
+
+
+def rows_for(case: str, r: Runner) -> list[dict]:
+    return CASE_ROWS[case](r)
+
+
+def _row(case, metric, kit, ref, ratio, target, ok, note=""):
+    return {"case": case, "metric": metric, "kit": kit, "ref": ref, "ratio": ratio, "target": target, "ok": ok,
+            "note": note}
+
+
+def _throughput(case: str, title: str, limit: float):
+    def rows(r: Runner) -> list[dict]:
+        kit, twin = r.runs(case, "kit"), r.runs(case, "twin")
+        k, t = med(kit, "steady_sps"), med(twin, "steady_sps")
+        q = parse.ratio(k, t)
+        same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(kit, twin)]
+        note = "same losses as the twin: " + ("yes" if same and all(same) else "NO" if False in same else "n/a")
+        return [_row(case, f"{title} steady samples/s (kit / twin)", k, t, q, f">= {limit}",
+                     q is not None and q >= limit, note)]
+    return rows
+
+
+def rows_c(r: Runner) -> list[dict]:
+    cold, twin, warm = r.runs("c", "kit cold"), r.runs("c", "twin"), r.runs("c", "kit warm")
+    t = med(twin, "first_step_s")
+    out = []
+    for name, runs, limit in (("cold", cold, 10.0), ("warm", warm, 3.0)):
+        k = med(runs, "first_step_s")
+        gap = k - t if k is not None and t is not None else None
+        out.append(_row("c", f"time to first step, {name} (s; ratio column = kit - twin)", k, t, gap,
+                        f"<= +{limit:g} s", gap is not None and gap <= limit))
+    return out
+
+
+def rows_d(r: Runner) -> list[dict]:
+    none, sync, asyn = r.runs("d", "none"), r.runs("d", "sync"), r.runs("d", "async")
+    bs, ba = med(sync, "ckpt_blocked_s"), med(asyn, "ckpt_blocked_s")
+    q = parse.ratio(ba, bs)
+    out = [_row("d", "blocked per checkpoint, async vs sync (s)", ba, bs, q, "<= 0.05", q is not None and q <= 0.05)]
+    e2e = {k: parse.median(_e2e(x) for x in v) for k, v in (("none", none), ("sync", sync), ("async", asyn))}
+    for mode in ("sync", "async"):
+        q = parse.ratio(e2e[mode], e2e["none"])
+        cost = q - 1 if q is not None else None
+        out.append(_row("d", f"first step -> exit, checkpoint every epoch ({mode}) vs none (s; ratio = cost)",
+                        e2e[mode], e2e["none"], cost, "<= 0.03", cost is not None and cost <= 0.03))
+    return out
+
+
+def _e2e(run: dict):
+    return run["t_end"] - run["first_step_unix"] if run.get("first_step_unix") else None
+
+
+def rows_e(r: Runner) -> list[dict]:
+    k, t = med(r.runs("e", "kit"), "recovery_s"), med(r.runs("e", "twin"), "recovery_s")
+    gap = k - t if k is not None and t is not None else None
+    return [_row("e", "SIGKILL of a worker -> first step after resume (s; ratio = kit - twin)", k, t, gap,
+                 "reported", k is not None)]
+
+
+def rows_f(r: Runner) -> list[dict]:
+    out = []
+    for side in ("kit", "twin"):
+        one, two = med(r.runs("f", f"{side} 1"), "steady_sps"), med(r.runs("f", f"{side} 2"), "steady_sps")
+        eff = two / (2 * one) if one and two is not None else None
+        out.append(_row("f", f"scaling efficiency 1 -> 2 workers, {side} (samples/s 2 w vs 1 w)", two, one, eff,
+                        "reported", eff is not None))
+    return out
+
+
+def rows_g(r: Runner) -> list[dict]:
+    on, off = med(r.runs("g", "on"), "steady_sps"), med(r.runs("g", "off"), "steady_sps")
+    q = parse.ratio(on, off)
+    cost = 1 - q if q is not None else None
+    return [_row("g", "exporter on vs off, steady samples/s (ratio = cost)", on, off, cost, "<= 0.01",
+                 cost is not None and cost <= 0.01)]
+
+
+CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
+             "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g}
+
+
+# ---------------------------------------------------------------- well-formedness (smoke)
+
+def problems(r: Runner, rows: list[dict]) -> list[str]:
+    """What is missing or malformed (not whether the numbers are good)."""
+    out = [f"{res['label']}: exit {res['rc']}" for res in r.results.values() if res["rc"] != 0]
+    for row in rows:
+        if row["kit"] is None or row["ref"] is None:
+            out.append(f"({row['case']}) {row['metric']}: no figure (kit {row['kit']}, reference {row['ref']})")
+    for (spec, _), res in r.results.items():
+        if spec.kind == "kit" and spec.launch in ("cold", "warm") and not res.get("breakdown"):
+            out.append(f"{res['label']}: no start-up phases parsed")
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="every case once at tiny size; check the outputs only")
+    p.add_argument("--cases", default="a,b,c,d,e,f,g")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
+    p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
+    args = p.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = set(cases) - set(CASE_ROWS)
+    if unknown:
+        p.error(f"unknown cases {sorted(unknown)}; use a subset of {','.join(CASE_ROWS)}")
+    rounds = args.rounds or (1 if args.smoke else 3)
+    plan = Plan("smoke" if args.smoke else "full")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))  # short: Ray's socket paths live under it
+    machine = report.machine_details()
+    t0 = time.time()
+    print(f"[bench] {'smoke' if args.smoke else 'full'}: cases {','.join(cases)}, {rounds} round(s), "
+          f"scratch {workdir}, load average {machine['load_average']}", flush=True)
+    with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True)) as runner:
+        runner.run_all()
+    rows = [row for c in cases for row in rows_for(c, runner)]
+    machine["load_average_after"] = report.load_average()
+    machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
+    report.write(out, rows, runner, machine, smoke=args.smoke)
+    bad = problems(runner, rows)
+    for line in report.table_lines(rows):
+        print(line)
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    if bad:
+        print("[bench] malformed output:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
+    print(f"[bench] wrote {out / 'RESULTS.md'}, {out / 'results.png'}, {out / 'results.json'} "
+          f"in {machine['bench_minutes']} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

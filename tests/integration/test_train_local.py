@@ -1,0 +1,119 @@
+"""`ray-app train` / `eval` / `checkpoints` on a real local Ray, the way `make train` runs them.
+
+Three Ray runs in all (train, eval, resume), about 30-40 s each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, pick_free_port, run_cli
+
+pytestmark = pytest.mark.integration
+
+SUMMARY_KEYS = {"run", "checkpoint", "epochs", "global_step", "train_loss", "eval_accuracy", "train_seconds",
+                "resumed_from_step"}
+DIGITS_EVAL = 359
+STEPS = 10 * 23  # 10 epochs x ceil(719 / 32) batches per rank
+LOCAL_ENV = {"RAY_ADDRESS": None}  # always a fresh local Ray, never someone's cluster
+
+
+def last_json(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    assert lines, "no output"
+    return json.loads(lines[-1])
+
+
+def train(storage: Path, timeout: float = 600):
+    return run_cli(["train", "--config", str(REPO / "configs" / "local.yaml"), "--set", f"run.storage={storage}",
+                    "--set", f"metrics.port={pick_free_port()}"], env=LOCAL_ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("storage")
+    rc, out, err = train(storage)
+    assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    return storage, last_json(out), out
+
+
+def test_default_config_trains_digits_to_95_percent(trained):
+    storage, summary, out = trained
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["run"] == "digits-ddp"
+    assert summary["epochs"] == 10 and summary["global_step"] == STEPS
+    assert summary["eval_accuracy"] >= 0.95
+    assert summary["resumed_from_step"] == 0
+    assert 0 < summary["train_loss"] < 0.5 and summary["train_seconds"] > 0
+    # one progress report per epoch from rank 0, not one per rank
+    for epoch in range(10):
+        assert sum(f"epoch {epoch} done:" in ln for ln in out.splitlines()) == 1, epoch
+
+
+def test_summary_checkpoint_is_committed_under_the_storage_dir(trained):
+    from ray_app.checkpoint import verify
+    from ray_app.storage import LocalStorage
+
+    storage, summary, _ = trained
+    ckpt = Path(summary["checkpoint"])
+    assert ckpt.is_dir() and ckpt.parent == storage / "digits-ddp"
+    assert (ckpt / "manifest.json").is_file()
+    v = verify(LocalStorage(str(storage)), f"digits-ddp/{ckpt.name}")
+    assert v.ok, v.reason
+    assert v.manifest["global_step"] == STEPS
+
+
+def test_checkpoints_list_and_verify(trained):
+    storage, summary, _ = trained
+    run_uri = str(storage / "digits-ddp")
+    rc, out, err = run_cli(["checkpoints", "list", run_uri], timeout=120)
+    assert rc == 0, err
+    assert Path(summary["checkpoint"]).name in out and "NOT VERIFIED" not in out
+    assert len([ln for ln in out.splitlines() if ln.startswith("ckpt-s")]) <= 3  # checkpoint.keep
+    rc, _, err = run_cli(["checkpoints", "verify", run_uri], timeout=120)
+    assert rc == 0, err
+
+
+def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path):
+    from ray_app.config import load_config
+    from ray_app.data import build_datasets
+    from ray_app.models import build_model
+
+    _, summary, _ = trained
+    rc, out, err = run_cli(["eval", "--checkpoint", summary["checkpoint"]], env=LOCAL_ENV, timeout=600)
+    assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    result = last_json(out)
+    assert result["num_samples"] == DIGITS_EVAL
+    assert result["checkpoint"] == summary["checkpoint"]
+
+    exported = tmp_path / "model.pt"
+    rc, _, err = run_cli(["checkpoints", "export", summary["checkpoint"], "--out", str(exported)], timeout=120)
+    assert rc == 0, err
+    _, ev, info = build_datasets(load_config(None, []).data)
+    model = build_model("digits_cnn", info)
+    model.load_state_dict(torch.load(exported, weights_only=True))
+    model.eval()
+    with torch.no_grad():
+        logits = model(ev.tensors[0])
+    accuracy = (logits.argmax(1) == ev.tensors[1]).double().mean().item()
+    loss = F.cross_entropy(logits, ev.tensors[1], reduction="none").double().mean().item()
+    assert result["eval_accuracy"] == accuracy
+    assert result["eval_accuracy"] == summary["eval_accuracy"]
+    assert result["eval_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_training_the_same_run_again_resumes(trained):
+    storage, first, _ = trained
+    rc, out, err = train(storage)
+    assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    again = last_json(out)
+    assert again["resumed_from_step"] == STEPS
+    assert again["global_step"] == first["global_step"]
+    assert again["checkpoint"] == first["checkpoint"]
+    assert again["eval_accuracy"] == first["eval_accuracy"]
+    assert again["train_seconds"] < max(first["train_seconds"] / 3, 5.0)
