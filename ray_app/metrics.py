@@ -96,19 +96,6 @@ class NullMetrics:
     serving_port = None
 
     def start(self, **info) -> None: ...
-    def _announce(self, run: str) -> None:
-        """Write the file_sd target when $RAY_APP_METRICS_SD_DIR is set (compose path)."""
-        directory = os.environ.get(SD_DIR_ENV, "").strip()
-        if not directory or self.serving_port is None:
-            return
-        target = FileSDTarget(directory, run, f"{advertised_host()}:{self.serving_port}")
-        try:
-            target.write()
-            self._sd_target = target
-            log.info("metrics target announced in %s", target.path)
-        except OSError as exc:
-            log.warning("cannot write the Prometheus target file in %s (%s); metrics are served but not announced", directory, exc)
-
     def on_step(self, step_seconds: float) -> None: ...
     def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None: ...
     def on_eval(self, *, eval_loss, eval_accuracy) -> None: ...
