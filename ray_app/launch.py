@@ -21,6 +21,18 @@ from ray_app.config import Config, ConfigError, config_from_dict
 log = logging.getLogger("ray_app.launch")
 
 
+def _process_start_unix() -> float:
+    try:
+        import psutil  # a Ray dependency
+
+        return psutil.Process().create_time()
+    except Exception:
+        return time.time()
+
+
+DRIVER_START_UNIX = _process_start_unix()  # when `ray-app train` was started
+
+
 class UserError(RuntimeError):
     """Bad input found at launch time (exit code 2)."""
 
@@ -69,6 +81,17 @@ class RayRuntime:
             cleanup_local(local_dir)
 
 
+def _quiet_report_log() -> None:
+    """Ray Train logs every report of every rank at INFO on a logger named by its file path
+    (so LoggingConfig does not reach it); keep it in Ray's log files, off the console."""
+    try:
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except Exception:  # a Ray refactor must never break training
+        pass
+
+
 def train_func(cfg_dict: dict, summaries=None) -> None:
     """Entry point of every Ray Train worker. Rank 0 puts the final summary on ``summaries`` (a Ray queue)."""
     from ray_app.checkpoint import Checkpointer
@@ -83,6 +106,7 @@ def train_func(cfg_dict: dict, summaries=None) -> None:
         app_log.addHandler(handler)
         app_log.setLevel(logging.INFO)
         app_log.propagate = False
+    _quiet_report_log()
     cfg = config_from_dict(cfg_dict)
     storage = open_storage(cfg.run.storage)
     runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
@@ -114,17 +138,16 @@ def init_ray(cfg: Config) -> None:
 
     _quiet_ray_env()
     address = os.environ.get("RAY_ADDRESS")
-    worker_env = {
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker)))),
-        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # rank 0's print() reaches the driver once, not twice
-    }
-    runtime_env = {"env_vars": worker_env}
+    # Ray Train copies these from the driver's environment to its controller and workers;
+    # no runtime_env is needed (a job-level runtime_env would bypass Ray's pre-started workers).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # rank 0's print() reaches the driver once
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # one actor less to start
     if address:
-        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
+        ray.init(address=address, logging_level=logging.WARNING)
     else:
         # the dashboard (on 127.0.0.1 only) serves the State API Ray Train's controller polls
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
-                 logging_level=logging.WARNING, runtime_env=runtime_env)
+                 logging_level=logging.WARNING)
     _check_capacity(cfg, ray.cluster_resources(), bool(address))
 
 
@@ -190,6 +213,7 @@ def run_training(cfg: Config) -> dict:
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
     init_ray(cfg)
+    ray_ready = time.time()
     from ray.util.queue import Queue
 
     # Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
@@ -221,6 +245,10 @@ def run_training(cfg: Config) -> dict:
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "resumed_from_step": m.get("resumed_from_step", 0),
         "world_size": cfg.scaling.num_workers,
+        "steady_samples_per_second": m.get("steady_samples_per_second"),
+        # start-up timeline (unix seconds): driver start, Ray ready, worker entry, model ready, first step
+        "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": ray_ready,
+                     **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},
     }
 
 

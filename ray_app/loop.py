@@ -205,11 +205,14 @@ class Trainer:
 
     # ------------------------------------------------------------ training
     def fit(self) -> dict:
+        self.timeline = {"worker_start_unix": time.time()}  # where start-up time goes (benchmarks read it)
         self.build()
+        self.timeline["model_ready_unix"] = time.time()
         self.restore()
         self._announce()
         self.t_start = time.perf_counter()
         self.samples_seen = 0
+        self._steady = _Steady(first_step=self.pos.global_step + STEADY_SKIP_STEPS)
         while self.pos.epoch < self.cfg.train.epochs and not self._done():
             self.train_epoch(self.pos.epoch)
         self.last_eval = self.evaluate()
@@ -296,6 +299,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.pos.global_step += 1
+        if "first_step_unix" not in self.timeline:
+            self.timeline["first_step_unix"] = time.time()
+        self._steady.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
 
     def _log_progress(self, interval: "_Interval", loss_sum, count) -> None:
         loss = global_mean(loss_sum, count)  # collective: every rank calls it at the same step
@@ -374,7 +380,8 @@ class Trainer:
         self.metrics.on_checkpoint(blocked_seconds=blocked)
 
     def _final_metrics(self) -> dict:
-        return {**self._metrics_dict(), "epochs": self.pos.epoch, "train_seconds": time.perf_counter() - self.t_start}
+        return {**self._metrics_dict(), "epochs": self.pos.epoch, "train_seconds": time.perf_counter() - self.t_start,
+                "steady_samples_per_second": self._steady.rate(), **self.timeline}
 
     def _final_checkpoint(self, summary: dict) -> None:
         """Always end on a committed checkpoint (unless checkpoints are off or nothing new was trained)."""
@@ -384,6 +391,26 @@ class Trainer:
         else:
             self.rt.report(dict(summary, checkpoint=self.ckpt.last_uri))
         summary["checkpoint"] = self.ckpt.last_uri
+
+
+STEADY_SKIP_STEPS = 5  # warm-up steps left out of the steady-state throughput
+
+
+class _Steady:
+    """Global samples/s from the STEADY_SKIP_STEPS-th step of this attempt on (rank 0's clock)."""
+
+    def __init__(self, first_step: int):
+        self.first_step, self.t0, self.samples, self.t1 = first_step, None, 0, None
+
+    def on_step(self, step: int, samples_per_step: int) -> None:
+        if step == self.first_step:
+            self.t0 = time.perf_counter()
+        elif self.t0 is not None:
+            self.samples += samples_per_step
+            self.t1 = time.perf_counter()
+
+    def rate(self) -> float | None:
+        return self.samples / (self.t1 - self.t0) if self.t1 and self.t1 > self.t0 else None
 
 
 @dataclass

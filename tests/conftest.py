@@ -43,6 +43,16 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 120, cwd:
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.fixture(name="run_cli")
+# Fixtures rather than `from conftest import ...`: tests/e2e has its own conftest.py, and
+# which one `import conftest` finds depends on what pytest collected first.
+
+@pytest.fixture(name="run_cli", scope="session")
 def run_cli_fixture():
+    """``run_cli(args, env=None, timeout=120, cwd=None) -> (rc, stdout, stderr)``."""
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def port_picker():
+    """A callable returning a free port, for module- or session-scoped fixtures."""
+    return pick_free_port

@@ -18,7 +18,7 @@ from e2e_cluster import ContainerCluster, docker, rank_placements, summary_of, w
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-EPOCHS = 4            # job 1: short; checkpoint every epoch (configs/cluster.yaml)
+EPOCHS = 10           # job 1: ~1 s per epoch; long enough for Prometheus to discover and scrape rank 0 (its SD updates every 5 s)
 KILL_EPOCHS = 12      # job 2: ~1 s per epoch here; long enough to kill a worker after the first checkpoint
 
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, pick_free_port, run_cli
-
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"run", "checkpoint", "epochs", "global_step", "train_loss", "eval_accuracy", "train_seconds",
                 "resumed_from_step"}
 DIGITS_EVAL = 359
@@ -29,13 +28,16 @@ def last_json(stdout: str) -> dict:
     return json.loads(lines[-1])
 
 
-def train(storage: Path, timeout: float = 600):
-    return run_cli(["train", "--config", str(REPO / "configs" / "local.yaml"), "--set", f"run.storage={storage}",
-                    "--set", f"metrics.port={pick_free_port()}"], env=LOCAL_ENV, timeout=timeout)
+@pytest.fixture(scope="module")
+def train(run_cli, port_picker):
+    def run(storage: Path, timeout: float = 600):
+        return run_cli(["train", "--config", str(REPO / "configs" / "local.yaml"), "--set", f"run.storage={storage}",
+                        "--set", f"metrics.port={port_picker()}"], env=LOCAL_ENV, timeout=timeout)
+    return run
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, train):
     storage = tmp_path_factory.mktemp("storage")
     rc, out, err = train(storage)
     assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
@@ -68,7 +70,7 @@ def test_summary_checkpoint_is_committed_under_the_storage_dir(trained):
     assert v.manifest["global_step"] == STEPS
 
 
-def test_checkpoints_list_and_verify(trained):
+def test_checkpoints_list_and_verify(trained, run_cli):
     storage, summary, _ = trained
     run_uri = str(storage / "digits-ddp")
     rc, out, err = run_cli(["checkpoints", "list", run_uri], timeout=120)
@@ -79,7 +81,7 @@ def test_checkpoints_list_and_verify(trained):
     assert rc == 0, err
 
 
-def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path):
+def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path, run_cli):
     from ray_app.config import load_config
     from ray_app.data import build_datasets
     from ray_app.models import build_model
@@ -107,7 +109,7 @@ def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path
     assert result["eval_loss"] == pytest.approx(loss, rel=1e-5)
 
 
-def test_training_the_same_run_again_resumes(trained):
+def test_training_the_same_run_again_resumes(trained, train):
     storage, first, _ = trained
     rc, out, err = train(storage)
     assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"

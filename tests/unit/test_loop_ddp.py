@@ -217,12 +217,10 @@ def _same_params(a: dict, b: dict) -> bool:
 # ---------------------------------------------------------------- collectives (2 and 3 ranks)
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def collectives(request, tmp_path_factory):
-    from conftest import pick_free_port
-
+def collectives(request, tmp_path_factory, port_picker):
     world = request.param
     out = tmp_path_factory.mktemp(f"collectives{world}")
-    _spawn(_collectives_worker, world, pick_free_port(), str(out))
+    _spawn(_collectives_worker, world, port_picker(), str(out))
     return world, _load_ranks(out, world)
 
 
@@ -313,12 +311,10 @@ def test_lr_warmup_then_cosine():
 # ---------------------------------------------------------------- the Trainer: 2 ranks, stop and resume
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    from conftest import pick_free_port
-
+def trainer_runs(tmp_path_factory, port_picker):
     out = tmp_path_factory.mktemp("trainer")
     storage = out / "runs"
-    _spawn(_trainer_worker, 2, pick_free_port(), str(out), str(storage))
+    _spawn(_trainer_worker, 2, port_picker(), str(out), str(storage))
     return _load_ranks(out, 2), LocalStorage(str(storage))
 
 
