@@ -202,6 +202,7 @@ class LoadedCheckpoint:
     rng: dict | None
     state: dict
     config: dict
+    created: float = 0.0  # unix time the checkpoint was written (from its manifest)
 
 
 def _load_bytes(data: bytes, where: str = "checkpoint file"):
@@ -233,14 +234,15 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
     state = json.loads(read("state.json"))
     config = json.loads(read("config.json"))
     if model_only:
-        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, {}, None, state, config)
+        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, {}, None, state, config,
+                                v.manifest.get("created", 0.0))
     rng_name = f"rng/rank_{rank}.pt"
     rng = load(rng_name) if rank is not None and rng_name in files else None
     return LoadedCheckpoint(
         storage.uri(rel), model, load("optimizer.pt"),
         load("scheduler.pt") if "scheduler.pt" in files else {},
         load("scaler.pt") if "scaler.pt" in files else {},
-        rng, state, config,
+        rng, state, config, v.manifest.get("created", 0.0),
     )
 
 

@@ -131,6 +131,7 @@ class Trainer:
         self.is_rank0 = self.rank == 0  # the one predicate that decides who prints, writes and serves
         self.pos = Position()
         self.resumed_from_step = 0
+        self.resumed_checkpoint_unix = 0.0
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
 
@@ -199,6 +200,7 @@ class Trainer:
         if loaded.rng is not None:
             restore_rng_state(loaded.rng)
         self.resumed_from_step = self.pos.global_step
+        self.resumed_checkpoint_unix = loaded.created
         self.last_eval = loaded.state.get("last_eval", {})
         self.print0(f"resumed from {loaded.uri} at epoch {self.pos.epoch} batch {self.pos.batches_done} "
                     f"step {self.pos.global_step}")
@@ -236,7 +238,8 @@ class Trainer:
                     f"{self.steps_per_epoch} steps/epoch x {self.cfg.train.epochs} epochs, world size {self.world_size}")
         self.metrics.start(run=self.cfg.run.name, model=self.cfg.model.name, dataset=self.cfg.data.name,
                            version=__version__, world_size=self.world_size, resumed_from_step=self.resumed_from_step,
-                           global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda")
+                           global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda",
+                           last_checkpoint_unix=self.resumed_checkpoint_unix)
 
     def train_epoch(self, epoch: int) -> None:
         cfg, accum = self.cfg, self.cfg.train.grad_accum

@@ -139,8 +139,11 @@ class PrometheusMetrics(NullMetrics):
         self.gpu_alloc = g("ray_app_gpu_memory_allocated_bytes")
         self.gpu_max = g("ray_app_gpu_memory_max_allocated_bytes")
 
-    def start(self, *, run, model, dataset, version, world_size, resumed_from_step, global_step=0, epoch=0, use_gpu=False):
+    def start(self, *, run, model, dataset, version, world_size, resumed_from_step, global_step=0, epoch=0, use_gpu=False,
+              last_checkpoint_unix=0.0):
         self.info.labels(run=run, model=model, dataset=dataset, version=version).set(1)
+        if last_checkpoint_unix:  # after a resume, checkpoint age counts from the checkpoint resumed from
+            self.last_ckpt.set(last_checkpoint_unix)
         self.world_size.set(world_size)
         self.resumed_from.set(resumed_from_step)
         self.global_step.set(global_step)
