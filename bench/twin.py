@@ -89,6 +89,32 @@ class SkippingSampler(DistributedSampler):
         return max(self.num_samples - self.start, 0)
 
 
+class Steady:
+    """Steady-state global samples/s, counted from the end of step ``skip`` of this attempt.
+
+    ``steady_samples_per_second``: wall time from the end of that step to the end of the last one
+    (evaluation between epochs included, as the kit's ``_Steady`` counts it);
+    ``steady_step_samples_per_second``: the summed wall time of those steps only.
+    """
+
+    def __init__(self, skip: int):
+        self.skip, self.t0, self.t1, self.samples, self.step_seconds = skip, None, None, 0, 0.0
+
+    def on_step(self, step: int, now: float, step_seconds: float, samples: int) -> None:
+        if step == self.skip:
+            self.t0 = now
+        elif self.t0 is not None:
+            self.samples += samples
+            self.t1 = now
+            self.step_seconds += step_seconds
+
+    def figures(self) -> dict:
+        wall = (self.t1 - self.t0) if self.t1 else 0.0
+        return {"steady_samples_per_second": self.samples / wall if wall > 0 else None,
+                "steady_step_samples_per_second": self.samples / self.step_seconds if self.step_seconds else None,
+                "steady_samples": self.samples}
+
+
 class Twin:
     def __init__(self, args, cfg):
         self.args, self.cfg = args, cfg
@@ -106,7 +132,7 @@ class Twin:
         self.amp = cfg.train.amp and self.device.type == "cuda"
         self.stamps["process_group"] = time.time()
         self.epoch = self.batches_done = self.step = self.resumed_from = 0
-        self.steady_seconds, self.steady_samples = 0.0, 0
+        self.steady = Steady(args.skip_steps)
         self.first_step_unix = None
 
     # ---------------------------------------------------------------- set-up
@@ -129,8 +155,10 @@ class Twin:
         self.loader = DataLoader(train_set, batch_size=bs, sampler=self.sampler, generator=self.loader_gen,
                                  num_workers=cfg.data.loader_workers, pin_memory=self.device.type == "cuda",
                                  persistent_workers=cfg.data.loader_workers > 0)
+        # evaluation draws its loader seed from its own generator, not the global RNG (as the kit does)
         self.eval_loader = DataLoader(eval_set, batch_size=bs, sampler=eval_sampler,
-                                      num_workers=cfg.data.loader_workers)
+                                      num_workers=cfg.data.loader_workers,
+                                      generator=torch.Generator().manual_seed(cfg.run.seed))
         self.steps_per_epoch = math.ceil(self.sampler.num_samples / bs)
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
         t = cfg.train
@@ -229,9 +257,8 @@ class Twin:
             now = time.perf_counter()
             if self.first_step_unix is None:
                 self.first_step_unix = time.time()
-            if self.step - self.resumed_from > self.args.skip_steps:
-                self.steady_seconds += now - step_t0
-                self.steady_samples += y.shape[0] * self.world
+            self.steady.on_step(self.step - self.resumed_from, now, now - step_t0,
+                                cfg.data.batch_size * self.world)
             step_t0 = now
             if self.step % cfg.train.log_every_steps == 0:
                 self.log(loss_sum, count)
@@ -265,12 +292,11 @@ class Twin:
             torch.cuda.synchronize()
         self.last_eval = self.evaluate()
         self.stamps["first_step"] = self.first_step_unix
-        sps = self.steady_samples / self.steady_seconds if self.steady_seconds else None
         return {"kind": "twin", "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "world_size": self.world, "global_step": self.step, "resumed_from_step": self.resumed_from,
                 "train_loss": self.train_loss, **self.last_eval,
                 "train_seconds": time.perf_counter() - t_start, "first_step_unix": self.first_step_unix,
-                "steady_samples_per_second": sps, "steady_steps": self.step - self.resumed_from - self.args.skip_steps,
+                **self.steady.figures(),
                 "stamps": self.stamps}
 
 

@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray_app.launch import TrainingFailed, UserError
     from ray_app.storage import StorageError
 
+    signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, StorageError, UserError, *_checkpoint_error()) as exc:

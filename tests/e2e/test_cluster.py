@@ -69,7 +69,7 @@ def test_ddp_job_across_worker_containers(cluster):
 
     # Prometheus scraped rank 0's exporter on its worker container.
     rank0_ip = placed[0][1]
-    info = wait_until(lambda: cluster.prometheus.query(f'ray_app_info{{run="{run}"}}'), 30, what="ray_app_info in Prometheus")
+    info = wait_until(lambda: cluster.prometheus.query(f'last_over_time(ray_app_info{{run="{run}"}}[10m])'), 30, what="ray_app_info in Prometheus")
     assert info[0]["metric"]["instance"] == f"{rank0_ip}:9500"
     world = cluster.prometheus.query(f'max_over_time(ray_app_world_size{{instance="{rank0_ip}:9500"}}[10m])')
     assert float(world[0]["value"][1]) == 2
