@@ -49,6 +49,8 @@ class Spec:
     storage: str = "local"  # kit: "local" or "s3"
     kill: bool = False  # SIGKILL one worker after the first committed checkpoint (recovery case)
     scrape_every: float = 5.0  # seconds between exporter scrapes once training runs (a Prometheus would scrape)
+    device: str = "cpu"  # twin: "cuda" runs one process on the GPU(s), no torchrun (bench/gpu.sh)
+    data_parallel: bool = False  # twin on cuda: nn.DataParallel over every visible GPU (the article's baseline)
 
     @property
     def metrics_on(self) -> bool:
@@ -91,15 +93,16 @@ class Context:
 class LineRecorder(threading.Thread):
     """Reads a process's output, keeps (arrival time, line) and copies it to a file."""
 
-    def __init__(self, stream, path: Path):
+    def __init__(self, stream, path: Path, t0: float):
         super().__init__(daemon=True)
-        self.stream, self.path, self.lines = stream, path, []
+        self.stream, self.path, self.t0, self.lines = stream, path, t0, []
 
     def run(self) -> None:
         with open(self.path, "w") as f:
             for line in self.stream:
-                self.lines.append((time.time(), line.rstrip("\n")))
-                f.write(line)
+                now = time.time()
+                self.lines.append((now, line.rstrip("\n")))
+                f.write(f"[{now - self.t0:8.3f}] {line}")  # seconds since the process started
                 f.flush()
 
     def text(self) -> list[str]:
@@ -203,13 +206,14 @@ class WarmCluster:
         self.num_cpus = num_cpus
         self.dashboard_port = free_port()
 
-    def start(self) -> float:
+    def start(self, env: dict | None = None) -> float:
+        """Start the head; its processes (and the job drivers) inherit ``env`` (e.g. the S3 credentials)."""
         t0 = time.time()
         cmd = [str(BIN / "ray"), "start", "--head", "--temp-dir", str(self.temp), "--port", str(free_port()),
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env = {k: v for k, v in (env or os.environ).items() if k != "RAY_ADDRESS"}
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180, env={**env, **_auth_env()})
         self._wait_for_jobs_api()
         return time.time() - t0
@@ -269,11 +273,15 @@ def kit_command(spec: Spec, ctx: Context, d: Path, port: int) -> tuple[list[str]
 
 
 def twin_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: after a torchrun restart, a store shared with the rendezvous
+    # hands gloo the dead peer's address (pytorch/pytorch#135712)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     args = [str(REPO / "bench" / "twin.py"), "--config", str(CONFIG), *_sets(spec.overrides),
             "--out", str(d / "twin.jsonl"), "--skip-steps", str(SKIP_STEPS)]
     if spec.kill:
         args += ["--ckpt-dir", str(d / "ckpt"), "--ckpt-every-steps", spec.value("checkpoint.every_steps", "20")]
+    if spec.device == "cuda" and spec.workers == 1:  # the bare single-process loop (and DataParallel)
+        return [str(BIN / "python"), *args, "--device", "cuda", *(["--data-parallel"] if spec.data_parallel else [])], env
     restarts = ["--max-restarts", "1"] if spec.kill else []
     argv = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(spec.workers), *restarts, *args]
     return argv, env
@@ -352,7 +360,7 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    recorder = LineRecorder(proc.stdout, d / "output.log")
+    recorder = LineRecorder(proc.stdout, d / "output.log", t0)
     recorder.start()
     poller = ExporterPoller(port, spec.scrape_every) if port else None
     if poller:
@@ -406,7 +414,8 @@ def _kit_figures(res, spec, ctx, d, recorder, poller, t0, t_end, t_kill) -> None
     else:
         res["steady_sps"] = parse.steady_from_progress(rows, spec.global_batch, SKIP_STEPS)
         res["steady_source"] = "progress lines"
-    first = summary.get("first_step_unix") if not spec.kill else None
+    timeline = summary.get("timeline") or {}
+    first = (timeline.get("first_step_unix") or summary.get("first_step_unix")) if not spec.kill else None
     source = "summary"
     if first is None and poller is not None:
         first, source = poller.first_step, "exporter poll (20 Hz)"
@@ -414,23 +423,28 @@ def _kit_figures(res, spec, ctx, d, recorder, poller, t0, t_end, t_kill) -> None
     res["first_step_s"] = round(first - t0, 3) if first else None
     res["first_step_source"] = source if first else None
     _kit_checkpoint_figures(res, summary, poller)
+    if spec.storage == "s3" and summary.get("checkpoint"):
+        res["ckpt_bytes"] = _s3_bytes(ctx, summary["checkpoint"])
     logs = _kit_logs(spec, ctx, d)
-    events = {"t0": t0, "first_step": first}
+    log_events = {}
     if logs is not None:
         if spec.launch == "cold":
             sessions = sorted(logs.parent.parent.glob("session_2*"))
-            events["ray_session"] = parse.session_start(sessions[0]) if sessions else None
-        events["driver_connected"] = parse.driver_connected(logs, t0)
+            log_events["ray_session"] = parse.session_start(sessions[0]) if sessions else None
+        log_events["driver_connected"] = parse.driver_connected(logs, t0)
         records = parse.train_log_records(logs, t0, t_end)
-        events.update(parse.train_events(records))
+        log_events.update(parse.train_events(records))
         if t_kill:
             res["restart_events_s"] = {k: round(v - t_kill, 3) for k, v in parse.restart_events(records, t_kill).items()}
+    events = parse.kit_events(t0, log_events, timeline, first)
     table = parse.KIT_COLD_PHASES if spec.launch == "cold" else parse.KIT_WARM_PHASES
     res["breakdown"] = parse.phases(events, table)
     if spec.kill:
-        resume = summary.get("first_step_unix") or (poller.resume_step if poller else None)
+        # the summary's timeline is the last worker group's: its first step is the first after the resume
+        from_summary = timeline.get("first_step_unix") if summary.get("resumed_from_step") else None
+        resume = from_summary or (poller.resume_step if poller else None)
         res["recovery_s"] = round(resume - t_kill, 3) if resume and t_kill else None
-        res["recovery_source"] = ("summary" if summary.get("first_step_unix") else "exporter poll") if resume else None
+        res["recovery_source"] = ("summary" if from_summary else "exporter poll (20 Hz)") if resume else None
         res["resumed_from_step"] = summary.get("resumed_from_step")
 
 
@@ -442,6 +456,13 @@ def _kit_checkpoint_figures(res, summary, poller) -> None:
         m = poller.last
         res["ckpt_blocked_s"] = m["ray_app_checkpoint_blocked_seconds_sum"] / m["ray_app_checkpoint_blocked_seconds_count"]
         res["ckpt_blocked_source"] = f"exporter ({int(m['ray_app_checkpoint_blocked_seconds_count'])} checkpoints seen)"
+
+
+def _s3_bytes(ctx: Context, uri: str) -> int:
+    """Total size of the objects under a checkpoint URI on the bench's S3 server."""
+    prefix = uri[len(f"s3://{ctx.s3.bucket}/"):].rstrip("/") + "/"
+    pages = ctx.s3.client().get_paginator("list_objects_v2").paginate(Bucket=ctx.s3.bucket, Prefix=prefix)
+    return sum(o["Size"] for page in pages for o in page.get("Contents", []))
 
 
 def _kit_logs(spec: Spec, ctx: Context, d: Path) -> Path | None:
@@ -461,7 +482,8 @@ def _twin_figures(res, d, recorder, t0, t_kill) -> None:
     res["losses"] = parse.loss_trace(rows)
     first = lines[0] if lines else {}
     res["summary"] = first
-    res["steady_sps"], res["steady_source"] = first.get("steady_samples_per_second"), "twin (per-step timer)"
+    res["steady_sps"], res["steady_source"] = first.get("steady_samples_per_second"), "twin (in process)"
+    res["steady_step_sps"] = first.get("steady_step_samples_per_second")
     fs = res["first_step_unix"] = first.get("first_step_unix")
     res["first_step_s"] = round(fs - t0, 3) if fs else None
     res["first_step_source"] = "twin (in process)" if fs else None

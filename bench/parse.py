@@ -174,22 +174,34 @@ def restart_events(records: list[dict], t_kill: float) -> dict[str, float]:
 # ---------------------------------------------------------------- start-up phases
 
 _KIT_TAIL = (  # (label, from event, to event)
-    ("TorchTrainer + controller actor", "driver_connected", "controller_up"),
+    ("TorchTrainer + controller actor", "ray_ready", "controller_up"),
     ("placement + worker processes", "controller_up", "workers_created"),
     ("train context on workers", "workers_created", "context_ready"),
     ("process group", "context_ready", "train_fn_launched"),
-    ("data + model build", "train_fn_launched", "model_built"),
-    ("DDP wrap, restore, first step", "model_built", "first_step"),
+    ("train_func set-up (storage, exporter)", "train_fn_launched", "fit_start"),
+    ("data + model + DDP", "fit_start", "model_ready"),
+    ("restore + first step", "model_ready", "first_step"),
 )
 KIT_COLD_PHASES = (
     ("CLI + imports + config + preflight", "t0", "ray_session"),
-    ("Ray start (ray.init)", "ray_session", "driver_connected"),
+    ("Ray start (ray.init)", "ray_session", "ray_ready"),
     *_KIT_TAIL,
 )
 KIT_WARM_PHASES = (
-    ("job submit -> driver connected", "t0", "driver_connected"),
+    ("job submit -> driver connected to Ray", "t0", "ray_ready"),
     *_KIT_TAIL,
 )
+
+
+def kit_events(t0: float, logs_events: dict, timeline: dict, first_step: float | None) -> dict:
+    """Merge Ray's log events with the kit's own timeline (summary ``timeline``, when it has one)."""
+    ev = {"t0": t0, "first_step": first_step, **logs_events}
+    ev["ray_ready"] = timeline.get("ray_ready_unix") or logs_events.get("driver_connected")
+    ev["fit_start"] = timeline.get("worker_start_unix") or logs_events.get("train_fn_launched")
+    ev["model_ready"] = timeline.get("model_ready_unix") or logs_events.get("ddp_wrapping")
+    return ev
+
+
 TWIN_PHASES = (
     ("torchrun + python start", "t0", "script"),
     ("imports (torch, model/data code)", "script", "imports"),

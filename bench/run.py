@@ -61,7 +61,15 @@ WORKLOADS = {
                      "checkpoint.every_steps=8"),
         "startup_steps": 0,  # smoke: the compute workload's runs serve case (c) too
     },
+    # bench/gpu.sh: one GPU, one worker, bf16; resnet50 at 128 px (7.9 GFLOP per sample, forward + backward)
+    "gpu": {
+        "compute": (*_COMMON, "model.name=resnet50", "data.image_size=128", "data.num_samples=8192",
+                    "data.batch_size=256", "train.epochs=4", "train.log_every_steps=8", "train.lr=0.1",
+                    "train.amp=true", "scaling.use_gpu=true"),
+        "startup_steps": 0,
+    },
 }
+GPU_CASES = "a,c,d"
 
 
 class Plan:
@@ -69,7 +77,10 @@ class Plan:
 
     def __init__(self, size: str):
         w = WORKLOADS[size]
-        self.smoke = size == "smoke"
+        self.smoke, self.gpu = size == "smoke", size == "gpu"
+        if self.gpu:
+            self._gpu_specs(w)
+            return
         kit_launch = "warm" if self.smoke else "cold"  # smoke: one warm cluster keeps CI short
         kit = lambda o, **kw: Spec("kit", o, launch=kw.pop("launch", kit_launch), **kw)  # noqa: E731
         twin = lambda o, **kw: Spec("twin", o, **kw)  # noqa: E731
@@ -91,11 +102,29 @@ class Plan:
         }
 
 
+    def _gpu_specs(self, w: dict) -> None:
+        """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
+        import torch
+
+        kit = lambda o, **kw: Spec("kit", o, workers=1, **kw)  # noqa: E731
+        twin = Spec("twin", w["compute"], workers=1, device="cuda")
+        ckpt = w["compute"] + ("checkpoint.every_epochs=1",)
+        self.specs = {
+            "a": {"kit": kit(w["compute"]), "twin": twin},
+            "c": {"kit cold": kit(w["compute"]), "twin": twin, "kit warm": kit(w["compute"], launch="warm")},
+            "d": {"none": kit(w["compute"]),
+                  "sync": kit(ckpt + ("checkpoint.upload=sync",), storage="s3", scrape_every=0.5),
+                  "async": kit(ckpt + ("checkpoint.upload=async",), storage="s3", scrape_every=0.5)},
+        }
+        if torch.cuda.device_count() >= 2:
+            self.specs["a"]["dataparallel"] = replace(twin, data_parallel=True)
+
+
 # ---------------------------------------------------------------- running
 
 class Runner:
-    def __init__(self, plan: Plan, cases: list[str], rounds: int, workdir: Path, log=print):
-        self.plan, self.cases, self.rounds, self.log = plan, cases, rounds, log
+    def __init__(self, plan: Plan, cases: list[str], rounds: int, workdir: Path, log=print, budget_s: float = 0):
+        self.plan, self.cases, self.rounds, self.log, self.budget_s = plan, cases, rounds, log, budget_s
         self.ctx = measure.Context(workdir=workdir, log=log, timeout=300 if plan.smoke else 900)
         self.results: dict[tuple[Spec, int], dict] = {}
         self.cluster_start_s: list[float] = []
@@ -124,7 +153,8 @@ class Runner:
     def _cluster_up(self) -> None:
         if self.ctx.cluster is None:
             self.ctx.cluster = measure.WarmCluster(self.ctx.workdir, num_cpus=os.cpu_count())
-            self.cluster_start_s.append(self.ctx.cluster.start())  # stopped by __exit__ even if this fails
+            env = self.ctx.s3.env() if self.ctx.s3 is not None else None  # job drivers reach S3 with these
+            self.cluster_start_s.append(self.ctx.cluster.start(env))  # stopped by __exit__ even if this fails
             time.sleep(2)  # let the head settle: "warm" means already running
 
     def _cluster_down(self) -> None:
@@ -133,10 +163,16 @@ class Runner:
             self.ctx.cluster = None
 
     def run_all(self) -> None:
+        t0 = time.time()
         for rnd in range(self.rounds):
             for case in self.cases:
                 for name, spec in self.plan.specs[case].items():
                     self._run(spec, rnd, f"{case}/{name} round {rnd + 1}")
+            spent = time.time() - t0
+            if self.budget_s and rnd + 1 < self.rounds and spent * (rnd + 2) / (rnd + 1) > self.budget_s:
+                self.log(f"[bench] stopping after {rnd + 1} round(s): another would pass --budget {self.budget_s:.0f}s")
+                self.rounds = rnd + 1
+                break
 
     def _run(self, spec: Spec, rnd: int, label: str) -> None:
         if (spec, rnd) in self.results:
@@ -167,6 +203,8 @@ def med(runs: list[dict], key: str):
 
 
 def rows_for(case: str, r: Runner) -> list[dict]:
+    if r.plan.gpu and case == "a":
+        return rows_gpu_a(r)
     return CASE_ROWS[case](r)
 
 
@@ -175,10 +213,17 @@ def _row(case, metric, kit, ref, ratio, target, ok, note=""):
             "note": note}
 
 
+def twin_rate_key(kit_runs: list[dict]) -> str:
+    """The twin's rate defined like the kit's: the summary's counts evaluation between epochs, the
+    progress lines (the fallback) do not."""
+    from_lines = any(k.get("steady_source") == "progress lines" for k in kit_runs)
+    return "steady_step_sps" if from_lines else "steady_sps"
+
+
 def _throughput(case: str, title: str, limit: float):
     def rows(r: Runner) -> list[dict]:
         kit, twin = r.runs(case, "kit"), r.runs(case, "twin")
-        k, t = med(kit, "steady_sps"), med(twin, "steady_sps")
+        k, t = med(kit, "steady_sps"), med(twin, twin_rate_key(kit))
         q = parse.ratio(k, t)
         same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(kit, twin)]
         note = "same losses as the twin: " + ("yes" if same and all(same) else "NO" if False in same else "n/a")
@@ -227,7 +272,8 @@ def rows_e(r: Runner) -> list[dict]:
 def rows_f(r: Runner) -> list[dict]:
     out = []
     for side in ("kit", "twin"):
-        one, two = med(r.runs("f", f"{side} 1"), "steady_sps"), med(r.runs("f", f"{side} 2"), "steady_sps")
+        key = "steady_sps" if side == "kit" else twin_rate_key(r.runs("f", "kit 2"))
+        one, two = med(r.runs("f", f"{side} 1"), key), med(r.runs("f", f"{side} 2"), key)
         eff = two / (2 * one) if one and two is not None else None
         out.append(_row("f", f"scaling efficiency 1 -> 2 workers, {side} (samples/s 2 w vs 1 w)", two, one, eff,
                         "reported", eff is not None))
@@ -240,6 +286,24 @@ def rows_g(r: Runner) -> list[dict]:
     cost = 1 - q if q is not None else None
     return [_row("g", "exporter on vs off, steady samples/s (ratio = cost)", on, off, cost, "<= 0.01",
                  cost is not None and cost <= 0.01)]
+
+
+def rows_gpu_a(r: Runner) -> list[dict]:
+    """Case (a) on one GPU: kit vs bare loop, plus model FLOP utilization of each."""
+    from bench import flops
+
+    rows = _throughput("a", "one GPU, bf16, resnet50 128 px", 0.98)(r)
+    fps = flops.flops_per_sample(r.plan.specs["a"]["kit"].overrides)
+    peak, where = flops.peak_flops(report.gpu_name())
+    k, t = med(r.runs("a", "kit"), "steady_sps"), med(r.runs("a", "twin"), "steady_sps")
+    mk, mt = flops.mfu(fps, k, peak), flops.mfu(fps, t, peak)
+    rows.append(_row("a", f"MFU ({fps / 1e9:.2f} GFLOP/sample fwd+bwd by FlopCounterMode; peak {where})", mk, mt,
+                     parse.ratio(mk, mt), "reported", mk is not None))
+    if "dataparallel" in r.plan.specs["a"]:
+        dp = med(r.runs("a", "dataparallel"), "steady_sps")
+        rows.append(_row("a", "DataParallel, all GPUs, one process (samples/s vs the kit's one worker)", dp, k,
+                         parse.ratio(dp, k), "reported", dp is not None))
+    return rows
 
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
@@ -266,30 +330,33 @@ def problems(r: Runner, rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every case once at tiny size; check the outputs only")
-    p.add_argument("--cases", default="a,b,c,d,e,f,g")
+    p.add_argument("--gpu", action="store_true", help=f"one GPU, one worker, bf16: cases {GPU_CASES} (bench/gpu.sh)")
+    p.add_argument("--cases", default=None, help="comma-separated subset of a..g")
+    p.add_argument("--budget", type=float, default=0, help="seconds: start no round that would end after this")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
     p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
     args = p.parse_args(argv)
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = set(cases) - set(CASE_ROWS)
+    plan = Plan("smoke" if args.smoke else "gpu" if args.gpu else "full")
+    cases = [c.strip() for c in (args.cases or (GPU_CASES if args.gpu else "a,b,c,d,e,f,g")).split(",") if c.strip()]
+    unknown = set(cases) - set(plan.specs)
     if unknown:
-        p.error(f"unknown cases {sorted(unknown)}; use a subset of {','.join(CASE_ROWS)}")
+        p.error(f"unknown cases {sorted(unknown)}; use a subset of {','.join(plan.specs)}")
     rounds = args.rounds or (1 if args.smoke else 3)
-    plan = Plan("smoke" if args.smoke else "full")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))  # short: Ray's socket paths live under it
     machine = report.machine_details()
     t0 = time.time()
-    print(f"[bench] {'smoke' if args.smoke else 'full'}: cases {','.join(cases)}, {rounds} round(s), "
+    mode = "smoke" if args.smoke else "gpu" if args.gpu else "full"
+    print(f"[bench] {mode}: cases {','.join(cases)}, {rounds} round(s), "
           f"scratch {workdir}, load average {machine['load_average']}", flush=True)
-    with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True)) as runner:
+    with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget) as runner:
         runner.run_all()
     rows = [row for c in cases for row in rows_for(c, runner)]
     machine["load_average_after"] = report.load_average()
     machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
-    report.write(out, rows, runner, machine, smoke=args.smoke)
+    report.write(out, rows, runner, machine, mode=mode)
     bad = problems(runner, rows)
     for line in report.table_lines(rows):
         print(line)

@@ -15,10 +15,8 @@ DistributedDataParallel with its defaults, gloo on CPU. Kit-only keys
 ``torchrun --max-restarts``).
 
 Rank 0 prints one JSON line (and appends it to ``--out``) with wall-clock
-timestamps of each start-up phase, ``first_step_unix`` and
-``steady_samples_per_second``: global samples over the summed wall time of
-optimizer steps after the first ``--skip-steps`` (time between epochs --
-evaluation -- is not a step; the log all_reduce falls in the next step).
+timestamps of each start-up phase, ``first_step_unix`` and the steady-state
+rate counted from the end of step ``--skip-steps`` (see :class:`Steady`).
 """
 
 from __future__ import annotations
@@ -57,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-steps", type=int, default=5, help="optimizer steps left out of the steady-state rate")
     p.add_argument("--out", default=None, help="append rank 0's JSON line to this file")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one process per GPU)")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="one process, nn.DataParallel over every visible GPU (the source article's baseline)")
     p.add_argument("--ckpt-dir", default=None, help="save/resume torch.save checkpoints here")
     p.add_argument("--ckpt-every-steps", type=int, default=0, help="checkpoint cadence with --ckpt-dir")
     return p.parse_args(argv)
@@ -144,6 +144,8 @@ class Twin:
         model = build_model(cfg.model.name, info).to(self.device)
         if self.distributed:
             model = DistributedDataParallel(model, bucket_cap_mb=cfg.train.bucket_cap_mb)
+        elif self.args.data_parallel and self.device.type == "cuda":
+            model = torch.nn.DataParallel(model)  # one process scatters each batch over the GPUs
         self.model = model
         self.stamps["model"] = time.time()
         seed_everything(cfg.run.seed * 1000 + self.rank)

@@ -10,7 +10,8 @@
 # Environment (all optional):
 #   IMAGE        tag to build                     (default ray-app:0.1.0, as the Makefile)
 #   BASE_IMAGE   local base image tag             (default ray-app-base:bookworm)
-#   WHEELHOUSE   wheel folder inside the repo     (default build/wheelhouse)
+#   WHEELHOUSE   wheel folder; must be build/wheelhouse or build/wheelhouse-* (the
+#                only build/ folders .dockerignore lets into the build context)
 #   PYTHON       Python 3.11 with pip, for `pip download` (default .venv/bin/python, else python3)
 #   DEBIAN_MIRROR  mirror for debootstrap         (default: debootstrap's own)
 set -euo pipefail
@@ -25,6 +26,11 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 log() { printf '[build-offline] %s\n' "$*" >&2; }
+
+case "$WHEELHOUSE" in
+  build/wheelhouse | build/wheelhouse-*) ;;
+  *) log "WHEELHOUSE=$WHEELHOUSE: use build/wheelhouse or build/wheelhouse-NAME (the build context only has those)"; exit 2 ;;
+esac
 
 build_base_image() {
   if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then

@@ -13,12 +13,14 @@ CLUSTER_ENV = IMAGE=$(IMAGE) RAY_AUTH_TOKEN="$$(cat .ray-token)" MINIO_ROOT_PASS
 COMPOSE = $(CLUSTER_ENV) docker compose -f docker/compose.yaml
 
 .PHONY: image
-image: ## Build the CPU image $(IMAGE) (pulls the pinned python base, pip from the index)
-	docker build -f docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) -t $(IMAGE) .
+image: ## Build the CPU image $(IMAGE) (pinned python base; BASE_IMAGE=... to override)
+	docker build -f docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) \
+	  $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
 
 .PHONY: image-gpu
-image-gpu: ## Build the CUDA image $(IMAGE_GPU) (nvidia/cuda base)
-	docker build -f docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) -t $(IMAGE_GPU) .
+image-gpu: ## Build the CUDA image $(IMAGE_GPU) (nvidia/cuda base; GPU_BASE_IMAGE=... to override)
+	docker build -f docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) \
+	  $(if $(GPU_BASE_IMAGE),--build-arg GPU_BASE_IMAGE=$(GPU_BASE_IMAGE)) -t $(IMAGE_GPU) .
 
 .PHONY: image-offline
 image-offline: ## Build $(IMAGE) without a registry: debootstrap base + local wheelhouse

@@ -236,7 +236,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     for text in overrides or []:
         _apply(cfg, parse_override(text), f"--set {text}")
     _check_cross_field(cfg)
+    _absolute_local_paths(cfg)
     return cfg
+
+
+def _is_local(path: str) -> bool:
+    return bool(path) and "://" not in path
+
+
+def _absolute_local_paths(cfg: Config) -> None:
+    """Local paths are relative to where the user ran the command, not to a Ray worker's cwd."""
+    for section, key in (("run", "storage"), ("run", "resume_from"), ("data", "path")):
+        obj = getattr(cfg, section)
+        value = getattr(obj, key)
+        if _is_local(value):
+            setattr(obj, key, str(Path(value).expanduser().absolute()))
 
 
 def config_from_dict(tree: dict) -> Config:

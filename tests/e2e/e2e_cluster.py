@@ -306,7 +306,10 @@ class ContainerCluster:
         self.s3.client().create_bucket(Bucket=BUCKET)
         self.targets_dir = self.workdir / "metrics-targets"
         self.targets_dir.mkdir()
-        os.chown(self.targets_dir, 1000, 1000)  # the image's ray user writes rank 0's target file
+        try:  # the image's user (1000) writes rank 0's target file here
+            os.chown(self.targets_dir, 1000, 1000)
+        except PermissionError:  # not root: let anyone write this temp dir
+            self.targets_dir.chmod(0o777)
         self.prometheus = HostPrometheus(self.workdir, self.targets_dir, LOG_DIR / "prometheus.log")
         self._run_node(self.head, self.head_spec, hostname="head", publish_dashboard=True)
         wait_until(self.head_healthy, 120, interval=1, what="Ray head health check")
@@ -380,11 +383,6 @@ class ContainerCluster:
 
     def container_by_ip(self, ip: str) -> str:
         return next(c for c in [self.head, *self.workers] if self.ip_of(c) == ip)
-
-    def container_by_hostname(self, hostname: str) -> str:
-        if hostname == "head":
-            return self.head
-        return f"{self.tag}-{hostname}"
 
     # -- jobs (the .venv's ray CLI, as `make submit`)
     @property

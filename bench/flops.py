@@ -1,0 +1,55 @@
+"""Model FLOPs per training sample and model FLOP utilization (MFU) for the GPU bench.
+
+FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` on one
+forward + backward of the kit's own model (on the CPU, batch 2, divided by 2);
+bf16 autocast changes the precision, not the count. Peak figures are dense
+bf16 tensor-core FLOP/s from the vendors' data sheets; set
+``BENCH_GPU_PEAK_TFLOPS`` for a GPU not listed.
+"""
+
+from __future__ import annotations
+
+import os
+
+PEAK_BF16_DENSE_TFLOPS = {  # substring of torch.cuda.get_device_name() -> TFLOP/s
+    "H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0,
+    "L40": 181.0, "A10G": 70.0, "A10": 125.0, "L4": 121.0,
+}
+
+
+def peak_flops(device_name: str | None) -> tuple[float | None, str]:
+    """(peak FLOP/s, where the figure comes from) for a GPU name."""
+    env = os.environ.get("BENCH_GPU_PEAK_TFLOPS")
+    if env:
+        return float(env) * 1e12, "BENCH_GPU_PEAK_TFLOPS"
+    for key in sorted(PEAK_BF16_DENSE_TFLOPS, key=len, reverse=True):
+        if device_name and key in device_name:
+            return PEAK_BF16_DENSE_TFLOPS[key] * 1e12, f"{key} data sheet, dense bf16"
+    return None, f"unknown GPU {device_name!r}: set BENCH_GPU_PEAK_TFLOPS"
+
+
+def flops_per_sample(overrides: tuple[str, ...], batch: int = 2) -> float:
+    """Forward + backward FLOPs of one sample of the model and data that ``overrides`` name."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ray_app.config import load_config
+    from ray_app.data import DataInfo
+    from ray_app.models import build_model
+
+    cfg = load_config(None, list(overrides))
+    channels = 1 if cfg.data.name == "digits" else 3
+    size = 8 if cfg.data.name == "digits" else (32 if cfg.data.name == "cifar10" else cfg.data.image_size)
+    model = build_model(cfg.model.name, DataInfo(10, channels, size))
+    x = torch.randn(batch, channels, size, size)
+    y = torch.randint(0, 10, (batch,))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops() / batch
+
+
+def mfu(flops_sample: float | None, samples_per_second: float | None, peak: float | None) -> float | None:
+    if not flops_sample or not samples_per_second or not peak:
+        return None
+    return flops_sample * samples_per_second / peak

@@ -1,0 +1,20 @@
+# Benchmarks: the kit side by side with bare torchrun (bench/). Included by the
+# Makefile, whose $(PY) / $(VENV) it uses. The full run takes about half an hour
+# on 2 cores and writes bench/RESULTS.md, bench/results.png and bench/results.json;
+# CI runs only the smoke (every case once at tiny size, outputs checked, not numbers).
+
+BENCH_ARGS ?=
+
+##@ Benchmarks
+
+.PHONY: bench
+bench: venv ## Kit vs bare torchrun, every case, 3 interleaved rounds -> bench/RESULTS.md (BENCH_ARGS="--cases a,c")
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+.PHONY: bench-smoke
+bench-smoke: venv ## Every bench case once at tiny size; checks the outputs are well-formed (CI)
+	$(PY) bench/run.py --smoke --out build/bench-smoke $(BENCH_ARGS)
+
+.PHONY: bench-gpu
+bench-gpu: ## On a GPU machine: cases a, c, d with one GPU, bf16, kit vs a bare loop, MFU (bench/gpu.sh)
+	bash bench/gpu.sh
