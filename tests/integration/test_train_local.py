@@ -31,8 +31,10 @@ def last_json(stdout: str) -> dict:
 @pytest.fixture(scope="module")
 def train(run_cli, port_picker):
     def run(storage: Path, timeout: float = 600):
-        return run_cli(["train", "--config", str(REPO / "configs" / "local.yaml"), "--set", f"run.storage={storage}",
-                        "--set", f"metrics.port={port_picker()}"], env=LOCAL_ENV, timeout=timeout)
+        # like `make train`: the default relative ./runs, resolved against the user's working directory
+        # (Ray workers run elsewhere), so the command runs from the storage folder's parent
+        return run_cli(["train", "--config", str(REPO / "configs" / "local.yaml"), "--set", f"run.storage=./{storage.name}",
+                        "--set", f"metrics.port={port_picker()}"], env=LOCAL_ENV, timeout=timeout, cwd=storage.parent)
     return run
 
 
