@@ -51,6 +51,7 @@ class Spec:
     scrape_every: float = 5.0  # seconds between exporter scrapes once training runs (a Prometheus would scrape)
     device: str = "cpu"  # twin: "cuda" runs one process on the GPU(s), no torchrun (bench/gpu.sh)
     data_parallel: bool = False  # twin on cuda: nn.DataParallel over every visible GPU (the article's baseline)
+    variant: str = ""  # kit, cold: run through bench/variants.py VARIANT (a start-up experiment)
 
     @property
     def metrics_on(self) -> bool:
@@ -79,10 +80,12 @@ class Context:
     counter: int = 0
     timeout: float = 900
     log: object = print
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_dir(self, label: str) -> Path:
-        self.counter += 1
-        d = self.workdir / f"{self.counter:02d}"
+        with self.lock:  # runs may start from several threads (smoke)
+            self.counter += 1
+            d = self.workdir / f"{self.counter:02d}"
         d.mkdir(parents=True)
         (d / "label").write_text(label)
         return d
@@ -266,6 +269,9 @@ def kit_command(spec: Spec, ctx: Context, d: Path, port: int) -> tuple[list[str]
         env.update(_auth_env())
         argv = [str(BIN / "ray"), "job", "submit", "--address", ctx.cluster.address, "--",
                 str(BIN / "python"), "-m", "ray_app", *train]
+    elif spec.variant:
+        env["RAY_TMPDIR"] = str(d / "r")
+        argv = [str(BIN / "python"), str(REPO / "bench" / "variants.py"), spec.variant, *train]
     else:
         env["RAY_TMPDIR"] = str(d / "r")  # Ray's logs for this run only (start-up phases)
         argv = [str(BIN / "ray-app"), *train]
@@ -324,6 +330,22 @@ def _first_checkpoint_written(spec: Spec, ctx: Context, d: Path, run_uri: str) -
     return any(Path(run_uri).glob("ckpt-s*/manifest.json"))
 
 
+def _victim(spec: Spec, ctx: Context, d: Path, proc, run_uri: str, port: int | None) -> int | None:
+    """pid of a worker that is not rank 0: from Ray Train's log of this run, else from the process tree."""
+    if spec.kind == "kit":
+        logs = _kit_logs(spec, ctx, d)
+        if logs is not None:
+            pids = parse.worker_pids(parse.train_log_records(logs, 0, float("inf")), run_uri.rsplit("/", 1)[-1])
+            others = [pid for rank, pid in sorted(pids.items()) if rank != 0]
+            if others:
+                return others[-1]
+        if spec.launch == "warm":
+            return None  # the cluster runs other jobs too: never guess
+    marker = "twin.py" if spec.kind == "twin" else "RayTrainWorker"
+    workers = [p for p in train_workers([psutil.Process(proc.pid)], marker) if not _is_rank0(p, port)]
+    return workers[-1].pid if workers else None
+
+
 def kill_one_worker(spec: Spec, ctx: Context, d: Path, proc, run_uri: str, port: int | None,
                     timeout: float = 300) -> float | None:
     """Wait for the first committed checkpoint, then SIGKILL one non-rank-0 worker. Returns the kill time."""
@@ -334,14 +356,10 @@ def kill_one_worker(spec: Spec, ctx: Context, d: Path, proc, run_uri: str, port:
         time.sleep(0.1)
     else:
         return None
-    roots = [psutil.Process(proc.pid)]
-    marker = "twin.py" if spec.kind == "twin" else "RayTrainWorker"
-    if spec.kind == "kit" and spec.launch == "warm":
-        roots = ctx.cluster.raylet()
-    workers = [p for p in train_workers(roots, marker) if not _is_rank0(p, port)]
-    if not workers:
+    pid = _victim(spec, ctx, d, proc, run_uri, port)
+    if pid is None:
         return None
-    os.kill(workers[-1].pid, signal.SIGKILL)  # from outside, like a crash
+    os.kill(pid, signal.SIGKILL)  # from outside, like a crash
     return time.time()
 
 

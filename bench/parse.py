@@ -134,8 +134,17 @@ def train_log_records(logs: Path, after: float, before: float) -> list[dict]:
             t = d.get("timestamp_ns", 0) / 1e9
             if after <= t <= before:
                 records.append({"t": t, "msg": d.get("message", ""), "component": d.get("component", ""),
-                                "process": d.get("process")})
+                                "process": d.get("process"), "run": d.get("run_name")})
     return sorted(records, key=lambda r: r["t"])
+
+
+WORKER_PID = re.compile(r"pid=(\d+)\) world_rank=(\d+)")
+
+
+def worker_pids(records: list[dict], run_name: str) -> dict[int, int]:
+    """{world rank: pid} of the newest worker group Ray Train started for ``run_name``."""
+    groups = [r["msg"] for r in records if r.get("run") == run_name and "Started training worker group" in r["msg"]]
+    return {int(rank): int(pid) for pid, rank in WORKER_PID.findall(groups[-1])} if groups else {}
 
 
 def train_events(records: list[dict]) -> dict[str, float]:

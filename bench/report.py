@@ -111,20 +111,32 @@ def _median_phases(runs: list[dict]) -> dict[str, float]:
 
 
 def startup_lines(runner) -> list[str]:
-    if "c" not in runner.cases:
-        return []
-    out = ["", "## (c) Where start-up time goes (medians, seconds)", ""]
-    for name in ("kit cold", "kit warm", "twin"):
-        runs = runner.runs("c", name)
+    out = []
+    if "c" in runner.cases:
+        out += ["", "## (c) Where start-up time goes (medians, seconds)", ""]
+        out += _phase_tables(runner, "c", ("kit cold", "kit warm", "twin"))
+        if runner.cluster_start_s:
+            out.append(f"Starting the warm cluster itself (`ray start --head`, until its job API answers): "
+                       f"{_num(parse.median(runner.cluster_start_s))} s (not counted in warm).")
+    if "v" in runner.cases:
+        from bench.variants import VARIANTS
+
+        out += ["", "## (v) Start-up experiments: the kit, cold, with one change (bench/variants.py)", ""]
+        out += [f"- `{k}`: {v[2]}" for k, v in VARIANTS.items()] + [""]
+        out += _phase_tables(runner, "v", tuple(VARIANTS))
+    return out
+
+
+def _phase_tables(runner, case: str, names) -> list[str]:
+    out = []
+    for name in names:
+        runs = runner.runs(case, name)
         ph = _median_phases(runs)
         first = parse.median(r.get("first_step_s") for r in runs)
         out.append(f"**{name}** -- first step after {_num(first)} s")
         out.append("")
         out += ["| phase | s |", "| --- | ---: |"] + [f"| {k} | {_num(v)} |" for k, v in ph.items()]
         out.append("")
-    if runner.cluster_start_s:
-        out.append(f"Starting the warm cluster itself (`ray start --head`, until its job API answers): "
-                   f"{_num(parse.median(runner.cluster_start_s))} s (not counted in warm).")
     return out
 
 

@@ -37,29 +37,24 @@ WORKLOADS = {
         # ~25 s of training each on 2 cores
         "compute": (*_COMMON, "model.name=resnet18", "data.image_size=32", "data.num_samples=4096",
                     "data.batch_size=32", "train.epochs=2", "train.log_every_steps=5"),
-        "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=32", "data.num_samples=3072",
+        "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=32", "data.num_samples=1536",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5"),
         # wide_mlp at 44x44: 36.7M parameters, model + SGD momentum = 294 MB per checkpoint
-        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.image_size=44", "data.num_samples=2560",
-                 "data.batch_size=32", "train.epochs=3", "train.lr=0.01", "train.log_every_steps=5",
+        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.image_size=44", "data.num_samples=1024",
+                 "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5",
                  "checkpoint.keep=2"),
         "recovery": (*_COMMON, "model.name=digits_cnn", "data.image_size=32", "data.num_samples=4096",
                      "data.batch_size=32", "train.epochs=2", "train.log_every_steps=8",
                      "checkpoint.every_steps=16"),
         "startup_steps": 8,
+        "one_worker_steps": 48,  # (f) with 1 worker: same per-step work, capped (an epoch has twice the steps)
     },
+    # smoke: 4 kit processes and 3 twins cover every case (the numbers are not judged)
     "smoke": {
-        "compute": (*_COMMON, "model.name=digits_cnn", "data.image_size=8", "data.num_samples=256",
+        "compute": (*_COMMON, "model.name=digits_cnn", "data.image_size=8", "data.num_samples=512",
                     "data.batch_size=16", "train.epochs=2", "train.log_every_steps=2"),
         "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=8", "data.num_samples=256",
                  "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2"),
-        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.image_size=8", "data.num_samples=256",
-                 "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2",
-                 "checkpoint.keep=2"),
-        "recovery": (*_COMMON, "model.name=digits_cnn", "data.image_size=8", "data.num_samples=1024",
-                     "data.batch_size=16", "train.epochs=2", "train.log_every_steps=8",
-                     "checkpoint.every_steps=8"),
-        "startup_steps": 0,  # smoke: the compute workload's runs serve case (c) too
     },
     # bench/gpu.sh: one GPU, one worker, bf16; resnet50 at 128 px (7.9 GFLOP per sample, forward + backward)
     "gpu": {
@@ -70,6 +65,8 @@ WORKLOADS = {
     },
 }
 GPU_CASES = "a,c,d"
+DEFAULT_CASES = "a,b,c,d,e,f,g"
+VARIANT_NAMES = ("kit", "no-dashboard", "no-watchers", "lean")
 
 
 class Plan:
@@ -81,11 +78,15 @@ class Plan:
         if self.gpu:
             self._gpu_specs(w)
             return
+        if self.smoke:
+            self._smoke_specs(w)
+            return
         kit_launch = "warm" if self.smoke else "cold"  # smoke: one warm cluster keeps CI short
         kit = lambda o, **kw: Spec("kit", o, launch=kw.pop("launch", kit_launch), **kw)  # noqa: E731
         twin = lambda o, **kw: Spec("twin", o, **kw)  # noqa: E731
         startup = w["compute"] + ((f"train.max_steps={w['startup_steps']}",) if w["startup_steps"] else ())
         off = ("metrics.enabled=false",)
+        one_worker = w["compute"] + (f"train.max_steps={w['one_worker_steps']}",)
         ckpt = {"none": w["ckpt"],
                 "sync": w["ckpt"] + ("checkpoint.every_epochs=1", "checkpoint.upload=sync"),
                 "async": w["ckpt"] + ("checkpoint.every_epochs=1", "checkpoint.upload=async")}
@@ -97,10 +98,28 @@ class Plan:
             "d": {name: kit(o, storage="s3", scrape_every=scrape) for name, o in ckpt.items()},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
-                  "kit 1": kit(w["compute"], workers=1), "twin 1": twin(w["compute"], workers=1)},
+                  "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},
             "g": {"on": kit(w["compute"]), "off": kit(w["compute"] + off)},
+            # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
+            "v": {name: kit(startup, variant=name, launch="cold") for name in VARIANT_NAMES},
         }
 
+
+    def _smoke_specs(self, w: dict) -> None:
+        """Few processes, each serving several cases; they run concurrently (see Runner.jobs)."""
+        ckpt = ("checkpoint.every_epochs=1", "checkpoint.keep=50")
+        k1 = Spec("kit", w["compute"] + ckpt + ("checkpoint.every_steps=4", "checkpoint.upload=sync"), launch="warm",
+                  storage="s3", kill=True, scrape_every=0.25)
+        k2 = Spec("kit", w["compute"] + ckpt + ("checkpoint.upload=async",), launch="cold", storage="s3",
+                  scrape_every=0.25)
+        k3 = Spec("kit", w["comm"], launch="warm")
+        k4 = Spec("kit", w["compute"] + ("metrics.enabled=false",), workers=1, launch="warm")
+        t1 = Spec("twin", w["compute"] + ("checkpoint.every_steps=4",), kill=True)
+        t2, t3 = Spec("twin", w["comm"]), Spec("twin", w["compute"], workers=1)
+        self.specs = {"a": {"kit": k1, "twin": t1}, "b": {"kit": k3, "twin": t2},
+                      "c": {"kit cold": k2, "twin": t1, "kit warm": k1}, "d": {"none": k3, "sync": k1, "async": k2},
+                      "e": {"kit": k1, "twin": t1}, "f": {"kit 2": k1, "twin 2": t1, "kit 1": k4, "twin 1": t3},
+                      "g": {"on": k1, "off": k4}}
 
     def _gpu_specs(self, w: dict) -> None:
         """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
@@ -123,8 +142,10 @@ class Plan:
 # ---------------------------------------------------------------- running
 
 class Runner:
-    def __init__(self, plan: Plan, cases: list[str], rounds: int, workdir: Path, log=print, budget_s: float = 0):
+    def __init__(self, plan: Plan, cases: list[str], rounds: int, workdir: Path, log=print, budget_s: float = 0,
+                 jobs: int = 1):
         self.plan, self.cases, self.rounds, self.log, self.budget_s = plan, cases, rounds, log, budget_s
+        self.jobs = jobs  # > 1 only for the smoke: concurrent runs would spoil the figures
         self.ctx = measure.Context(workdir=workdir, log=log, timeout=300 if plan.smoke else 900)
         self.results: dict[tuple[Spec, int], dict] = {}
         self.cluster_start_s: list[float] = []
@@ -152,7 +173,8 @@ class Runner:
 
     def _cluster_up(self) -> None:
         if self.ctx.cluster is None:
-            self.ctx.cluster = measure.WarmCluster(self.ctx.workdir, num_cpus=os.cpu_count())
+            # concurrent smoke jobs each need their workers' CPUs: the warm cluster may oversubscribe
+            self.ctx.cluster = measure.WarmCluster(self.ctx.workdir, num_cpus=os.cpu_count() * self.jobs)
             env = self.ctx.s3.env() if self.ctx.s3 is not None else None  # job drivers reach S3 with these
             self.cluster_start_s.append(self.ctx.cluster.start(env))  # stopped by __exit__ even if this fails
             time.sleep(2)  # let the head settle: "warm" means already running
@@ -165,9 +187,19 @@ class Runner:
     def run_all(self) -> None:
         t0 = time.time()
         for rnd in range(self.rounds):
+            todo = {}  # unique processes of this round, in case order (A B A B ...)
             for case in self.cases:
                 for name, spec in self.plan.specs[case].items():
-                    self._run(spec, rnd, f"{case}/{name} round {rnd + 1}")
+                    todo.setdefault(spec, f"{case}/{name} round {rnd + 1}")
+            if self.jobs > 1:
+                from concurrent.futures import ThreadPoolExecutor
+
+                longest_first = sorted(todo.items(), key=lambda kv: not kv[0].kill)
+                with ThreadPoolExecutor(self.jobs) as pool:
+                    list(pool.map(lambda kv: self._run(kv[0], rnd, kv[1]), longest_first))
+            else:
+                for spec, label in todo.items():
+                    self._run(spec, rnd, label)
             spent = time.time() - t0
             if self.budget_s and rnd + 1 < self.rounds and spent * (rnd + 2) / (rnd + 1) > self.budget_s:
                 self.log(f"[bench] stopping after {rnd + 1} round(s): another would pass --budget {self.budget_s:.0f}s")
@@ -177,14 +209,14 @@ class Runner:
     def _run(self, spec: Spec, rnd: int, label: str) -> None:
         if (spec, rnd) in self.results:
             return
-        if spec.launch == "warm" and spec.kind == "kit":
+        if spec.launch == "warm" and spec.kind == "kit" and self.jobs == 1:
             self._cluster_up()
         t = time.time()
         res = measure.run(spec, self.ctx, label)
         self.results[(spec, rnd)] = res
         self.log(f"[bench] {label}: rc={res['rc']} wall {res['wall_s']:.1f}s first step {res.get('first_step_s')} "
                  f"steady {_fmt(res.get('steady_sps'))} samples/s load {res['load1']:.1f} ({time.time() - t:.0f}s)")
-        if spec.launch == "warm" and not self.plan.smoke:
+        if spec.launch == "warm" and spec.kind == "kit" and not self.plan.smoke:
             self._cluster_down()  # an idle cluster would steal CPU from the other cases
 
     def runs(self, case: str, name: str) -> list[dict]:
@@ -306,9 +338,20 @@ def rows_gpu_a(r: Runner) -> list[dict]:
     return rows
 
 
+def rows_v(r: Runner) -> list[dict]:
+    """Start-up experiments: time to first step of each variant against the kit as it is (cold)."""
+    base = med(r.runs("v", "kit"), "first_step_s")
+    out = []
+    for name in VARIANT_NAMES[1:]:
+        v = med(r.runs("v", name), "first_step_s")
+        out.append(_row("v", f"time to first step, cold: {name} vs kit (s; ratio = difference)", v, base,
+                        v - base if v is not None and base is not None else None, "lower", v is not None))
+    return out
+
+
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
-             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g}
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "v": rows_v}
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)
@@ -333,12 +376,13 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", action="store_true", help=f"one GPU, one worker, bf16: cases {GPU_CASES} (bench/gpu.sh)")
     p.add_argument("--cases", default=None, help="comma-separated subset of a..g")
     p.add_argument("--budget", type=float, default=0, help="seconds: start no round that would end after this")
+    p.add_argument("--jobs", type=int, default=None, help="concurrent runs (smoke only; default 3 there, else 1)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
     p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
     args = p.parse_args(argv)
     plan = Plan("smoke" if args.smoke else "gpu" if args.gpu else "full")
-    cases = [c.strip() for c in (args.cases or (GPU_CASES if args.gpu else "a,b,c,d,e,f,g")).split(",") if c.strip()]
+    cases = [c.strip() for c in (args.cases or (GPU_CASES if args.gpu else DEFAULT_CASES)).split(",") if c.strip()]
     unknown = set(cases) - set(plan.specs)
     if unknown:
         p.error(f"unknown cases {sorted(unknown)}; use a subset of {','.join(plan.specs)}")
@@ -351,7 +395,8 @@ def main(argv=None) -> int:
     mode = "smoke" if args.smoke else "gpu" if args.gpu else "full"
     print(f"[bench] {mode}: cases {','.join(cases)}, {rounds} round(s), "
           f"scratch {workdir}, load average {machine['load_average']}", flush=True)
-    with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget) as runner:
+    with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
+                jobs=(args.jobs or 3) if args.smoke else 1) as runner:
         runner.run_all()
     rows = [row for c in cases for row in rows_for(c, runner)]
     machine["load_average_after"] = report.load_average()

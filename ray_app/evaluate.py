@@ -44,7 +44,7 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
-    from ray_app.launch import TrainingFailed, UserError, init_ray
+    from ray_app.launch import TrainingFailed, UserError, driver_node_queue, init_ray
 
     try:
         storage, rel = resolve_checkpoint_uri(uri)
@@ -56,9 +56,8 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     except ConfigError as exc:
         raise ConfigError(f"--set: {exc}") from None
     init_ray(cfg)
-    from ray.util.queue import Queue
 
-    results = Queue(actor_options={"num_cpus": 0})  # 0 CPUs: never takes a worker's slot
+    results = driver_node_queue()
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
     trainer = TorchTrainer(

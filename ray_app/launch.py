@@ -132,11 +132,13 @@ def _quiet_ray_env() -> None:
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
 
+_quiet_ray_env()  # at import: Ray reads some of these when it is first imported
+
+
 def init_ray(cfg: Config) -> None:
     """Join the cluster at RAY_ADDRESS, else start a local Ray sized to this machine."""
     import ray
 
-    _quiet_ray_env()
     address = os.environ.get("RAY_ADDRESS")
     # Ray Train copies these from the driver's environment to its controller and workers;
     # no runtime_env is needed (a job-level runtime_env would bypass Ray's pre-started workers).
@@ -208,17 +210,26 @@ def preflight_run(cfg: Config):
     return storage
 
 
+def driver_node_queue():
+    """A Ray queue pinned to the driver's node (0 CPUs): it must outlive any worker node's death."""
+    import ray
+    from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+
+
 def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
     init_ray(cfg)
     ray_ready = time.time()
-    from ray.util.queue import Queue
 
     # Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
     # resume that trains nothing, empty with checkpoints off. Rank 0 hands over its summary instead.
-    summaries = Queue(actor_options={"num_cpus": 0})  # 0 CPUs: never takes a worker's slot
+    summaries = driver_node_queue()
     trainer = build_trainer(cfg, storage, summaries)
     result = trainer.fit()
     final = None

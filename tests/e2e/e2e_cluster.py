@@ -350,7 +350,7 @@ class ContainerCluster:
         if publish_dashboard:
             args += ["-p", "127.0.0.1::8265"]  # a free loopback port: a user's `make up` may hold 8265
         for path in spec.container_paths:
-            if path == "/var/lib/ray-app/metrics-targets":
+            if path == spec.environment.get("RAY_APP_METRICS_SD_DIR"):  # rank 0 writes its target here
                 args += ["-v", f"{self.targets_dir}:{path}"]
         # Values travel in docker's environment, not on its command line.
         for key in env:

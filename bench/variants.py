@@ -1,0 +1,61 @@
+"""Start-up experiments: `ray-app train` with one change applied from outside the kit.
+
+    python bench/variants.py VARIANT train [ray-app train arguments ...]
+
+Each variant sets environment variables (they reach every Ray process of a
+local cluster: the raylet inherits the driver's environment) and/or patches the
+driver before ``ray_app.cli.main`` runs. Nothing under ray_app/ changes; a
+variant that pays off is a suggestion for the kit, measured by case ``v`` of
+bench/run.py against the kit as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _no_dashboard() -> None:
+    """ray.init(address="local", include_dashboard=False): no dashboard process and its 10 head modules."""
+    import ray
+
+    real_init = ray.init
+
+    def init(*args, **kwargs):
+        if kwargs.get("address") == "local":
+            kwargs["include_dashboard"] = False
+            kwargs.pop("dashboard_host", None)
+        return real_init(*args, **kwargs)
+
+    ray.init = init
+
+
+# name -> (environment, driver patch, what it changes)
+VARIANTS = {
+    "kit": ({}, None, "the kit as it is"),
+    "no-dashboard": ({}, _no_dashboard, "local Ray without the dashboard (include_dashboard=False)"),
+    "no-watchers": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, None,
+                    "Ray Train without its preemption-watcher actor and its own metrics callbacks"),
+    "lean": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, _no_dashboard,
+             "no-dashboard and no-watchers together"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in VARIANTS:
+        print(f"usage: variants.py {{{','.join(VARIANTS)}}} train [ARGS ...]", file=sys.stderr)
+        return 2
+    env, patch, _ = VARIANTS[argv[0]]
+    os.environ.update(env)
+    if patch is not None:
+        patch()
+    from ray_app.cli import main as ray_app_main
+
+    return ray_app_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

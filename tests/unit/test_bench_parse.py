@@ -1,0 +1,162 @@
+"""The bench's parsing and arithmetic (bench/parse.py, bench/report.py, bench/twin.Steady): no processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import parse, report
+from bench.measure import Spec
+
+KIT_LINES = [
+    "(RayTrainWorker pid=1) run r: resnet18 on synthetic, 64 steps/epoch x 2 epochs, world size 2",
+    "(RayTrainWorker pid=1) epoch 0 step 5/128 loss 2.3000 lr 0.05 100 samples/s eta 0:00:09",
+    "(RayTrainWorker pid=1) epoch 0 step 10/128 loss 2.2000 lr 0.05 400 samples/s eta 0:00:08",
+    "(RayTrainWorker pid=1) epoch 0 step 15/128 loss 2.1000 lr 0.05 1,600 samples/s eta 0:00:07",
+]
+
+
+def test_progress_lines_of_kit_and_twin():
+    rows = parse.progress_lines(KIT_LINES + ["epoch 1 step 70/128 loss 1.5000"])
+    assert [r["step"] for r in rows] == [5, 10, 15, 70]
+    assert rows[2]["sps"] == 1600.0 and rows[3]["sps"] is None
+    assert parse.loss_trace(rows)[0] == (5, 2.3)
+
+
+def test_steady_rate_combines_intervals_after_the_skipped_steps():
+    rows = parse.progress_lines(KIT_LINES)
+    # steps 6-10 at 400/s and 11-15 at 1600/s, 64 samples each step: 640 samples in 0.8 + 0.2 s
+    assert parse.steady_from_progress(rows, global_batch=64, skip_steps=5) == pytest.approx(640.0)
+    assert parse.steady_from_progress(rows[:1], global_batch=64, skip_steps=5) is None
+
+
+def test_steady_rate_stops_at_a_resumed_attempt():
+    rows = parse.progress_lines(KIT_LINES + ["epoch 0 step 8/128 loss 2.2 lr 0.05 10 samples/s eta 0"])
+    assert parse.steady_from_progress(rows, global_batch=64, skip_steps=5) == pytest.approx(640.0)
+
+
+def test_same_losses():
+    a = [(5, 2.3), (10, 2.2)]
+    assert parse.same_losses(a, [(5, 2.3), (10, 2.2), (15, 2.1)]) is True
+    assert parse.same_losses(a, [(5, 2.3), (10, 2.25)]) is False
+    assert parse.same_losses(a, [(7, 2.3)]) is None
+
+
+def test_prometheus_text():
+    text = "\n".join([
+        "# HELP ray_app_step_seconds x", "# TYPE ray_app_step_seconds histogram",
+        'ray_app_step_seconds_bucket{le="0.1"} 3.0', "ray_app_step_seconds_count 7.0",
+        "ray_app_step_seconds_sum 0.5", 'ray_app_info{run="r",model="m"} 1.0'])
+    m = parse.parse_prom(text)
+    assert m["ray_app_step_seconds_count"] == 7.0 and m["ray_app_info"] == 1.0
+    assert "ray_app_step_seconds_bucket" not in m
+
+
+def test_session_start_is_the_time_in_the_directory_name():
+    t = parse.session_start(Path("/tmp/ray/session_2026-11-30_05-00-25_015726_27576"))
+    expect = time.mktime(time.strptime("2026-11-30 05:00:25", "%Y-%m-%d %H:%M:%S")) + 0.015726
+    assert t == pytest.approx(expect)
+
+
+def _write_train_logs(logs: Path, t: float) -> None:
+    (logs / "train").mkdir(parents=True)
+    rows = [
+        (t + 1, "controller", "Requesting resources"),
+        (t + 2, "controller", "Attempting to start training worker group of size 2"),
+        (t + 5, "controller", "[Worker Group Initialization] 2 worker actors created in 3.00s."),
+        (t + 9, "controller", "[Worker Group Initialization] Train context initialized on workers in 4.00s."),
+        (t + 9.2, "controller", "Started training worker group of size 2: \n- (ip=1.2.3.4, pid=111) world_rank=0, "
+                                "local_rank=0\n- (ip=1.2.3.4, pid=222) world_rank=1, local_rank=1"),
+        (t + 9.1, "worker", "Setting up process group for: env:// [rank=0, world_size=2]"),
+        (t + 9.3, "worker", "Rank 0: Launching training function."),
+        (t + 9.4, "worker", "Rank 1: Launching training function."),
+        (t + 11.0, "worker", "Moving model to device: cpu"),
+        (t + 11.5, "worker", "Moving model to device: cpu"),
+    ]
+    with open(logs / "train" / "ray-train-sys-controller-x.log", "w") as f:
+        for ts, comp, msg in rows:
+            f.write(json.dumps({"message": msg, "component": comp, "timestamp_ns": int(ts * 1e9),
+                                "run_name": "r1"}) + "\n")
+
+
+def test_train_events_and_worker_pids(tmp_path):
+    t = 1_800_000_000.0
+    _write_train_logs(tmp_path, t)
+    records = parse.train_log_records(tmp_path, t, t + 100)
+    ev = parse.train_events(records)
+    assert ev["controller_up"] == pytest.approx(t + 1)
+    assert ev["workers_created"] == pytest.approx(t + 5)
+    assert ev["train_fn_launched"] == pytest.approx(t + 9.4)  # the slower rank
+    assert ev["model_built"] == pytest.approx(t + 11.5)
+    assert parse.worker_pids(records, "r1") == {0: 111, 1: 222}
+    assert parse.worker_pids(records, "other") == {}
+    assert parse.train_log_records(tmp_path, t + 50, t + 100) == []
+
+
+def test_kit_phases_prefer_the_kit_timeline():
+    t0 = 100.0
+    logs = {"ray_session": 102.0, "driver_connected": 110.0, "controller_up": 115.0, "workers_created": 120.0,
+            "context_ready": 125.0, "train_fn_launched": 125.5, "ddp_wrapping": 127.0}
+    timeline = {"ray_ready_unix": 111.0, "worker_start_unix": 126.0, "model_ready_unix": 128.0}
+    ev = parse.kit_events(t0, logs, timeline, first_step=128.5)
+    ph = parse.phases(ev, parse.KIT_COLD_PHASES)
+    assert ph["CLI + imports + config + preflight"] == 2.0
+    assert ph["Ray start (ray.init)"] == 9.0
+    assert ph["data + model + DDP"] == 2.0
+    assert ph["restore + first step"] == 0.5
+    assert sum(ph.values()) == pytest.approx(28.5)  # the phases tile t0 -> first step
+    no_timeline = parse.phases(parse.kit_events(t0, logs, {}, None), parse.KIT_COLD_PHASES)
+    assert no_timeline["Ray start (ray.init)"] == 8.0 and "restore + first step" not in no_timeline
+
+
+def test_twin_steady_counts_from_the_end_of_the_skipped_step():
+    from bench.twin import Steady
+
+    s = Steady(skip=2)
+    for step, now in ((1, 1.0), (2, 2.0), (3, 3.0), (4, 4.5)):
+        s.on_step(step, now, 1.0, samples=10)
+    f = s.figures()
+    assert f["steady_samples"] == 20
+    assert f["steady_samples_per_second"] == pytest.approx(20 / 2.5)  # wall from the end of step 2
+    assert f["steady_step_samples_per_second"] == pytest.approx(20 / 2.0)  # the two steps' own time
+
+
+def test_spec_value_is_the_last_override():
+    spec = Spec("kit", ("data.batch_size=16", "train.epochs=2", "data.batch_size=64"), workers=2)
+    assert spec.value("data.batch_size") == "64" and spec.global_batch == 128
+    assert spec.metrics_on and not Spec("kit", ("metrics.enabled=false",)).metrics_on
+
+
+def test_table_marks_met_and_missing():
+    rows = [{"case": "a", "metric": "m", "kit": 98.0, "ref": 100.0, "ratio": 0.98, "target": ">= 0.98",
+             "ok": True, "note": ""},
+            {"case": "g", "metric": "n", "kit": None, "ref": 1.0, "ratio": None, "target": "<= 0.01", "ok": False,
+             "note": ""}]
+    lines = report.table_lines(rows)
+    assert "| (a) | m | 98.00 | 100.00 | 0.980 | >= 0.98 | yes |" in lines
+    assert lines[-1].endswith("| - | 1.00 | - | <= 0.01 | NO |")
+
+
+def test_dataparallel_is_skipped_with_a_reason_below_two_gpus():
+    assert "skipped" in report.dataparallel_note(0) and "at least 2" in report.dataparallel_note(1)
+    assert "skipped" not in report.dataparallel_note(2)
+
+
+def test_flops_and_mfu(monkeypatch):
+    from bench import flops
+
+    monkeypatch.delenv("BENCH_GPU_PEAK_TFLOPS", raising=False)
+    assert flops.peak_flops("NVIDIA H200")[0] == 989e12 and flops.peak_flops("NVIDIA GH200 480GB")[0] == 989e12
+    assert flops.peak_flops("NVIDIA L40S")[0] == 362e12 and flops.peak_flops("Something")[0] is None
+    monkeypatch.setenv("BENCH_GPU_PEAK_TFLOPS", "100")
+    assert flops.peak_flops("Something")[0] == 100e12
+    # wide_mlp at 32x32x3: 3072-3072-3072-3072-10 linear layers: 2 FLOPs per weight forward, 4 backward,
+    # except the first layer, whose input needs no gradient (2 backward)
+    per_sample = flops.flops_per_sample(("data.name=synthetic", "model.name=wide_mlp", "data.image_size=32"))
+    weights = 3072 * 3072 * 3 + 3072 * 10
+    assert per_sample == pytest.approx(6 * weights - 2 * 3072 * 3072, rel=0.001)
+    assert flops.mfu(per_sample, 1000.0, 1e15) == pytest.approx(per_sample * 1000 / 1e15)
+    assert flops.mfu(None, 1.0, 1.0) is None
