@@ -287,7 +287,8 @@ def twin_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
     if spec.kill:
         args += ["--ckpt-dir", str(d / "ckpt"), "--ckpt-every-steps", spec.value("checkpoint.every_steps", "20")]
     if spec.device == "cuda" and spec.workers == 1:  # the bare single-process loop (and DataParallel)
-        return [str(BIN / "python"), *args, "--device", "cuda", *(["--data-parallel"] if spec.data_parallel else [])], env
+        dp = ["--data-parallel"] if spec.data_parallel else []
+        return [str(BIN / "python"), *args, "--device", "cuda", *dp], env
     restarts = ["--max-restarts", "1"] if spec.kill else []
     argv = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(spec.workers), *restarts, *args]
     return argv, env
@@ -453,7 +454,8 @@ def _kit_figures(res, spec, ctx, d, recorder, poller, t0, t_end, t_kill) -> None
         records = parse.train_log_records(logs, t0, t_end)
         log_events.update(parse.train_events(records))
         if t_kill:
-            res["restart_events_s"] = {k: round(v - t_kill, 3) for k, v in parse.restart_events(records, t_kill).items()}
+            restart = parse.restart_events(records, t_kill)
+            res["restart_events_s"] = {k: round(v - t_kill, 3) for k, v in restart.items()}
     events = parse.kit_events(t0, log_events, timeline, first)
     table = parse.KIT_COLD_PHASES if spec.launch == "cold" else parse.KIT_WARM_PHASES
     res["breakdown"] = parse.phases(events, table)
@@ -472,7 +474,8 @@ def _kit_checkpoint_figures(res, summary, poller) -> None:
         res["ckpt_blocked_source"] = "summary"
     elif poller is not None and poller.last.get("ray_app_checkpoint_blocked_seconds_count"):
         m = poller.last
-        res["ckpt_blocked_s"] = m["ray_app_checkpoint_blocked_seconds_sum"] / m["ray_app_checkpoint_blocked_seconds_count"]
+        count = m["ray_app_checkpoint_blocked_seconds_count"]
+        res["ckpt_blocked_s"] = m["ray_app_checkpoint_blocked_seconds_sum"] / count
         res["ckpt_blocked_source"] = f"exporter ({int(m['ray_app_checkpoint_blocked_seconds_count'])} checkpoints seen)"
 
 

@@ -16,10 +16,11 @@ METHOD = """\
   defaults, SGD momentum 0.9, the same LR schedule, global-mean loss every `train.log_every_steps`, exact
   evaluation after every epoch, gloo, `OMP_NUM_THREADS=1`, launched by `torchrun --standalone`. The
   "same losses" note compares the loss both print at each logged step.
-- **Steady-state samples/s**: global samples over the wall time of optimizer steps after the first 5
-  (time between epochs, i.e. evaluation and checkpoints, is not a step). The twin times each step in process;
-  the kit's figure comes from the summary's `steady_samples_per_second` when it has one, else from its
-  progress lines (each line carries its interval's samples/s; intervals after step 5 are combined).
+- **Steady-state samples/s**: global samples of the optimizer steps after the 5th, over the wall time from
+  the end of step 5 to the end of the last step (evaluation between epochs included, as in the kit's
+  summary key `steady_samples_per_second`, rank 0's clock). The twin counts the same way in process. Should a
+  kit summary lack the key, its progress lines are used (each line carries its interval's samples/s) and the
+  twin's step-only rate is compared instead (`steady_step_samples_per_second`).
 - **Time to first step**: from the moment the runner starts the process (`ray-app train`, `ray job submit`,
   or `torchrun`) to the end of the first optimizer step. The twin stamps it in process; the kit: the summary's
   `first_step_unix` when present, else the first scrape of rank 0's exporter (polled at 20 Hz) showing
@@ -31,7 +32,11 @@ METHOD = """\
 - **Recovery**: a non-rank-0 worker gets SIGKILL right after the first committed checkpoint; the figure is
   SIGKILL -> first optimizer step of the restarted worker group (kit: Ray Train restart; twin:
   `torchrun --max-restarts 1` and a `torch.save` checkpoint at the same cadence).
-- Medians over the rounds; rounds interleave kit and twin (A B A B ...).
+- **Exporter on** means rank 0 serves `/metrics` and the bench scrapes it every 5 s (every 0.5 s in (d) and
+  (e), and 20 Hz until the first step); **off** is `metrics.enabled=false`.
+- **Scaling**: the 1-worker runs stop after 48 optimizer steps (`train.max_steps`; same per-worker batch).
+- Medians over the rounds; each round runs every case once, kit and twin alternating (A B A B ...). The
+  machine is shared: the 1-minute load average at each run's start is in the last table.
 """
 
 
@@ -58,6 +63,17 @@ def _mem_gib() -> str:
         return "?"
 
 
+def kit_version() -> str:
+    """The commit the kit was measured at (``-dirty``: with uncommitted changes)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def gpu_name() -> str | None:
     import torch
 
@@ -69,9 +85,11 @@ def machine_details() -> dict:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {"gpu": f"{gpus} x {gpu_name()}" if gpus else "none","date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": _cpu_model(),
+    return {"gpu": f"{gpus} x {gpu_name()}" if gpus else "none",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": _cpu_model(),
             "cores": os.cpu_count(), "memory_gib": _mem_gib(), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": ray.__version__, "gpus": gpus, "load_average": load_average()}
+            "torch": torch.__version__, "ray": ray.__version__, "kit": kit_version(), "gpus": gpus,
+            "load_average": load_average()}
 
 
 def dataparallel_note(gpus: int) -> str:
@@ -122,8 +140,9 @@ def startup_lines(runner) -> list[str]:
         from bench.variants import VARIANTS
 
         out += ["", "## (v) Start-up experiments: the kit, cold, with one change (bench/variants.py)", ""]
-        out += [f"- `{k}`: {v[2]}" for k, v in VARIANTS.items()] + [""]
-        out += _phase_tables(runner, "v", tuple(VARIANTS))
+        names = tuple(runner.plan.specs["v"])
+        out += [f"- `{k}`: {VARIANTS[k][2]}" for k in names] + [""]
+        out += _phase_tables(runner, "v", names)
     return out
 
 
@@ -147,9 +166,10 @@ def detail_lines(runner) -> list[str]:
         for name in ("none", "sync", "async"):
             for r in runner.runs("d", name):
                 size = f"{r['ckpt_bytes'] / 1e6:.0f} MB per checkpoint, " if r.get("ckpt_bytes") else ""
+                e2e = r["t_end"] - r["first_step_unix"] if r.get("first_step_unix") else None
                 out.append(f"- {name}: {size}blocked/ckpt {_num(r.get('ckpt_blocked_s'))} s "
                            f"({r.get('ckpt_blocked_source') or 'n/a'}), wall {_num(r['wall_s'])} s, "
-                           f"first step -> exit {_num(r['t_end'] - r['first_step_unix'] if r.get('first_step_unix') else None)} s")
+                           f"first step -> exit {_num(e2e)} s")
     if "e" in runner.cases:
         out += ["", "## (e) Recovery detail", ""]
         for side in ("kit", "twin"):
@@ -184,7 +204,8 @@ def write(out: Path, rows: list[dict], runner, machine: dict, mode: str) -> None
             "| machine | |", "| --- | --- |",
             f"| CPU | {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB |",
             f"| GPU | {machine['gpu']} |",
-            f"| software | Python {machine['python']}, torch {machine['torch']}, Ray {machine['ray']} |",
+            f"| software | Python {machine['python']}, torch {machine['torch']}, Ray {machine['ray']}, "
+            f"kit at {machine.get('kit', '?')} -> {machine.get('kit_after', '?')} |",
             f"| load average before / after | {machine['load_average']} / {machine.get('load_average_after', '?')} |",
             f"| 1-min load at each run's start | min {min(loads, default=0):.1f}, "
             f"median {parse.median(loads) or 0:.1f}, max {max(loads, default=0):.1f} |",
@@ -194,7 +215,8 @@ def write(out: Path, rows: list[dict], runner, machine: dict, mode: str) -> None
     body += startup_lines(runner) + detail_lines(runner) + ["", "## Method", "", METHOD] + runs_lines(runner)
     (out / "RESULTS.md").write_text("\n".join(body) + "\n")
     (out / "results.json").write_text(json.dumps(
-        {"machine": machine, "rows": rows, "runs": list(runner.results.values())}, indent=1, default=str))
+        {"machine": machine, "rows": rows, "runs": list(runner.results.values()),
+         "cluster_start_s": runner.cluster_start_s}, indent=1, default=str))
     chart(out / "results.png", rows, runner)
 
 

@@ -72,7 +72,7 @@ VARIANT_NAMES = ("kit", "no-dashboard", "no-watchers", "lean")
 class Plan:
     """Which processes each case needs (one list per round) and how to turn results into rows."""
 
-    def __init__(self, size: str):
+    def __init__(self, size: str, variants: tuple[str, ...] = VARIANT_NAMES):
         w = WORKLOADS[size]
         self.smoke, self.gpu = size == "smoke", size == "gpu"
         if self.gpu:
@@ -94,14 +94,15 @@ class Plan:
         self.specs = {
             "a": {"kit": kit(w["compute"]), "twin": twin(w["compute"])},
             "b": {"kit": kit(w["comm"]), "twin": twin(w["comm"])},
-            "c": {"kit cold": kit(startup, launch="cold"), "twin": twin(startup), "kit warm": kit(startup, launch="warm")},
+            "c": {"kit cold": kit(startup, launch="cold"), "twin": twin(startup),
+                  "kit warm": kit(startup, launch="warm")},
             "d": {name: kit(o, storage="s3", scrape_every=scrape) for name, o in ckpt.items()},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
                   "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},
             "g": {"on": kit(w["compute"]), "off": kit(w["compute"] + off)},
             # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
-            "v": {name: kit(startup, variant=name, launch="cold") for name in VARIANT_NAMES},
+            "v": {name: kit(startup, variant=name, launch="cold") for name in variants},
         }
 
 
@@ -184,13 +185,26 @@ class Runner:
             self.ctx.cluster.stop()
             self.ctx.cluster = None
 
+    def schedule(self, rnd: int) -> dict[Spec, str]:
+        """The unique processes of one round, in case order (A B A B ...), with their labels."""
+        todo: dict[Spec, str] = {}
+        for case in self.cases:
+            for name, spec in self.plan.specs[case].items():
+                todo.setdefault(spec, f"{case}/{name} round {rnd + 1}")
+        return todo
+
+    def load(self, runs: list[dict]) -> None:
+        """Results saved in results.json, put back where the schedule expects them (--report-only)."""
+        by_label = {r["label"]: r for r in runs}
+        for rnd in range(self.rounds):
+            for spec, label in self.schedule(rnd).items():
+                if label in by_label:
+                    self.results[(spec, rnd)] = by_label[label]
+
     def run_all(self) -> None:
         t0 = time.time()
         for rnd in range(self.rounds):
-            todo = {}  # unique processes of this round, in case order (A B A B ...)
-            for case in self.cases:
-                for name, spec in self.plan.specs[case].items():
-                    todo.setdefault(spec, f"{case}/{name} round {rnd + 1}")
+            todo = self.schedule(rnd)
             if self.jobs > 1:
                 from concurrent.futures import ThreadPoolExecutor
 
@@ -259,8 +273,11 @@ def _throughput(case: str, title: str, limit: float):
         q = parse.ratio(k, t)
         same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(kit, twin)]
         note = "same losses as the twin: " + ("yes" if same and all(same) else "NO" if False in same else "n/a")
+        kw, tw = med(kit, "wall_s"), med(twin, "wall_s")
         return [_row(case, f"{title} steady samples/s (kit / twin)", k, t, q, f">= {limit}",
-                     q is not None and q >= limit, note)]
+                     q is not None and q >= limit, note),
+                _row(case, "the same run, wall clock from start to exit (s; ratio = kit / twin)", kw, tw,
+                     parse.ratio(kw, tw), "reported", kw is not None)]
     return rows
 
 
@@ -273,7 +290,25 @@ def rows_c(r: Runner) -> list[dict]:
         gap = k - t if k is not None and t is not None else None
         out.append(_row("c", f"time to first step, {name} (s; ratio column = kit - twin)", k, t, gap,
                         f"<= +{limit:g} s", gap is not None and gap <= limit))
-    return out
+    return out + rows_tail(r)
+
+
+def tail_s(run: dict):
+    """End of training -> process exit: the run's own clock for where training ended, the runner's for exit."""
+    s = run.get("summary") or {}
+    if run["kind"] == "kit":
+        start = (s.get("timeline") or {}).get("model_ready_unix")
+    else:
+        start = (s.get("stamps") or {}).get("model")
+    return run["t_end"] - (start + s["train_seconds"]) if start and s.get("train_seconds") else None
+
+
+def rows_tail(r: Runner) -> list[dict]:
+    case = "a" if "a" in r.cases else "c"
+    names = ("kit", "twin") if case == "a" else ("kit cold", "twin")
+    k, t = (parse.median(tail_s(x) for x in r.runs(case, n)) for n in names)
+    return [_row("c", f"end of training -> process exit, runs of case ({case}) (s; ratio = kit - twin)", k, t,
+                 k - t if k is not None and t is not None else None, "reported", k is not None)]
 
 
 def rows_d(r: Runner) -> list[dict]:
@@ -340,13 +375,19 @@ def rows_gpu_a(r: Runner) -> list[dict]:
 
 def rows_v(r: Runner) -> list[dict]:
     """Start-up experiments: time to first step of each variant against the kit as it is (cold)."""
-    base = med(r.runs("v", "kit"), "first_step_s")
+    names = [n for n in r.plan.specs["v"] if n != "kit"]
     out = []
-    for name in VARIANT_NAMES[1:]:
-        v = med(r.runs("v", name), "first_step_s")
-        out.append(_row("v", f"time to first step, cold: {name} vs kit (s; ratio = difference)", v, base,
-                        v - base if v is not None and base is not None else None, "lower", v is not None))
+    for key, what in (("first_step_s", "time to first step"), ("tail_s", "end of training -> exit")):
+        base = parse.median(_v(x, key) for x in r.runs("v", "kit"))
+        for name in names:
+            v = parse.median(_v(x, key) for x in r.runs("v", name))
+            out.append(_row("v", f"{what}, cold: {name} vs kit (s; ratio = difference)", v, base,
+                            v - base if v is not None and base is not None else None, "lower", v is not None))
     return out
+
+
+def _v(run: dict, key: str):
+    return tail_s(run) if key == "tail_s" else run.get(key)
 
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
@@ -380,9 +421,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
     p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
+    p.add_argument("--report-only", metavar="RESULTS_JSON", help="rewrite the report from a saved results.json")
+    p.add_argument("--variants", default=",".join(VARIANT_NAMES),
+                   help="case v: bench/variants.py names to compare (the first is the reference, 'kit')")
     args = p.parse_args(argv)
-    plan = Plan("smoke" if args.smoke else "gpu" if args.gpu else "full")
+    plan = Plan("smoke" if args.smoke else "gpu" if args.gpu else "full", tuple(args.variants.split(",")))
     cases = [c.strip() for c in (args.cases or (GPU_CASES if args.gpu else DEFAULT_CASES)).split(",") if c.strip()]
+    from bench.variants import VARIANTS
+
+    if set(args.variants.split(",")) - set(VARIANTS) or not args.variants.startswith("kit"):
+        p.error(f"--variants: start with kit and use names from {','.join(VARIANTS)}")
     unknown = set(cases) - set(plan.specs)
     if unknown:
         p.error(f"unknown cases {sorted(unknown)}; use a subset of {','.join(plan.specs)}")
@@ -395,12 +443,20 @@ def main(argv=None) -> int:
     mode = "smoke" if args.smoke else "gpu" if args.gpu else "full"
     print(f"[bench] {mode}: cases {','.join(cases)}, {rounds} round(s), "
           f"scratch {workdir}, load average {machine['load_average']}", flush=True)
-    with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
-                jobs=(args.jobs or 3) if args.smoke else 1) as runner:
-        runner.run_all()
+    if args.report_only:
+        saved = json.loads(Path(args.report_only).read_text())
+        runner = Runner(plan, cases, rounds, workdir)
+        runner.load(saved["runs"])
+        runner.cluster_start_s = saved.get("cluster_start_s", [])
+        machine = saved["machine"]
+    else:
+        with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
+                    jobs=(args.jobs or 3) if args.smoke else 1) as runner:
+            runner.run_all()
+        machine["load_average_after"] = report.load_average()
+        machine["kit_after"] = report.kit_version()  # the tree may change during a long bench
+        machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
     rows = [row for c in cases for row in rows_for(c, runner)]
-    machine["load_average_after"] = report.load_average()
-    machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
     report.write(out, rows, runner, machine, mode=mode)
     bad = problems(runner, rows)
     for line in report.table_lines(rows):

@@ -16,7 +16,8 @@ def test_defaults_are_valid_and_match_the_documented_default_run():
     cfg = load_config(None, [])
     assert isinstance(cfg, Config)
     assert (cfg.data.name, cfg.model.name, cfg.scaling.num_workers) == ("digits", "digits_cnn", 2)
-    assert cfg.run.storage == "./runs"
+    # ./runs, made absolute against the directory the command runs in (Ray workers run elsewhere)
+    assert cfg.run.storage == str(Path.cwd() / "runs")
     assert cfg.metrics.port == 9500
 
 
@@ -46,7 +47,17 @@ def test_every_shipped_config_loads(path):
 def test_local_yaml_is_the_default_run():
     cfg = load_config(REPO / "configs" / "local.yaml", [])
     assert cfg.data.name == "digits" and cfg.scaling.num_workers == 2 and not cfg.scaling.use_gpu
-    assert cfg.run.storage == "./runs" and cfg.train.epochs == 10
+    assert cfg.run.storage == str(Path.cwd() / "runs") and cfg.train.epochs == 10
+
+
+def test_relative_local_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["run.storage=out/runs", "data.name=imagefolder", "data.path=data",
+                             "run.resume_from=old/run"])
+    assert cfg.run.storage == str(tmp_path / "out" / "runs")
+    assert cfg.data.path == str(tmp_path / "data") and cfg.run.resume_from == str(tmp_path / "old" / "run")
+    s3 = load_config(None, ["run.storage=s3://bucket/prefix"])
+    assert s3.run.storage == "s3://bucket/prefix"  # URIs are left alone
 
 
 @pytest.mark.parametrize("override, key", [
