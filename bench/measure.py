@@ -412,6 +412,7 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         _twin_figures(result, d, recorder, t0, t_kill)
     if t_kill is None and spec.kill:
         result["recovery_s"] = None
+    (d / "result.json").write_text(json.dumps(result, default=str))  # kept with the run's logs (--keep)
     return result
 
 

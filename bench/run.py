@@ -453,6 +453,9 @@ def main(argv=None) -> int:
         with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
                     jobs=(args.jobs or 3) if args.smoke else 1) as runner:
             runner.run_all()
+        # the figures first: a report that fails to render can be redone with --report-only
+        (out / "results.json").write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
+                                                      "cluster_start_s": runner.cluster_start_s}, default=str))
         machine["load_average_after"] = report.load_average()
         machine["kit_after"] = report.kit_version()  # the tree may change during a long bench
         machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
