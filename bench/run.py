@@ -248,6 +248,12 @@ def med(runs: list[dict], key: str):
     return parse.median(r.get(key) for r in runs)
 
 
+def paired(a: list[dict], b: list[dict], key_a: str, key_b: str | None = None) -> str:
+    """Round-by-round ratios a/b (the same round ran both back to back): shows the noise."""
+    qs = [parse.ratio(x.get(key_a), y.get(key_b or key_a)) for x, y in zip(a, b)]
+    return "per round " + ", ".join("-" if q is None else f"{q:.3f}" for q in qs)
+
+
 def rows_for(case: str, r: Runner) -> list[dict]:
     if r.plan.gpu and case == "a":
         return rows_gpu_a(r)
@@ -273,6 +279,7 @@ def _throughput(case: str, title: str, limit: float):
         q = parse.ratio(k, t)
         same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(kit, twin)]
         note = "same losses as the twin: " + ("yes" if same and all(same) else "NO" if False in same else "n/a")
+        note += "; " + paired(kit, twin, "steady_sps", twin_rate_key(kit))
         kw, tw = med(kit, "wall_s"), med(twin, "wall_s")
         return [_row(case, f"{title} steady samples/s (kit / twin)", k, t, q, f">= {limit}",
                      q is not None and q >= limit, note),
@@ -348,11 +355,12 @@ def rows_f(r: Runner) -> list[dict]:
 
 
 def rows_g(r: Runner) -> list[dict]:
-    on, off = med(r.runs("g", "on"), "steady_sps"), med(r.runs("g", "off"), "steady_sps")
+    ons, offs = r.runs("g", "on"), r.runs("g", "off")
+    on, off = med(ons, "steady_sps"), med(offs, "steady_sps")
     q = parse.ratio(on, off)
     cost = 1 - q if q is not None else None
     return [_row("g", "exporter on vs off, steady samples/s (ratio = cost)", on, off, cost, "<= 0.01",
-                 cost is not None and cost <= 0.01)]
+                 cost is not None and cost <= 0.01, paired(ons, offs, "steady_sps") + " (on / off)")]
 
 
 def rows_gpu_a(r: Runner) -> list[dict]:

@@ -130,6 +130,9 @@ def _quiet_ray_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # Ray Train's controller polls the worker group every 2 s by default; 0.5 s ends a finished run
+    # ~3 s sooner and notices a dead worker sooner (bench case v, "fast-poll")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 _quiet_ray_env()  # at import: Ray reads some of these when it is first imported
