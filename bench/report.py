@@ -228,16 +228,18 @@ def chart(path: Path, rows: list[dict], runner) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    thr = [r for r in rows if r["case"] in ("a", "b", "f") and r["ratio"] is not None]
-    ax1.bar([f"({r['case']}) {r['metric'].split('(')[0].strip()[:28]}" for r in thr], [r["ratio"] for r in thr],
-            color=["tab:green" if r["ok"] else "tab:orange" for r in thr])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [1, 1.6]})
+    thr = [r for r in rows if r["ratio"] is not None and (
+        (r["case"] in ("a", "b") and "steady samples/s" in r["metric"]) or r["case"] == "f")]
+    labels = [f"({r['case']}) " + ("kit / twin" if r["case"] != "f" else
+                                   "efficiency, " + ("kit" if ", kit" in r["metric"] else "twin")) for r in thr]
+    ax1.bar(labels, [r["ratio"] for r in thr], color=["tab:green" if r["ok"] else "tab:orange" for r in thr])
     for y in (0.97, 0.98):
         ax1.axhline(y, color="grey", lw=0.8, ls="--")
     ax1.set_ylim(0, 1.1)
     ax1.set_ylabel("ratio (kit / twin; efficiency for f)")
     ax1.set_title("throughput")
-    ax1.tick_params(axis="x", labelrotation=20, labelsize=7)
+    ax1.tick_params(axis="x", labelrotation=20, labelsize=8)
     _startup_bars(ax2, runner)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -263,4 +265,4 @@ def _startup_bars(ax, runner) -> None:
     ax.set_yticks(range(len(names)), names)
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), fontsize=6, loc="lower right")
+    ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)

@@ -7,7 +7,8 @@
 Cases (issue 7): (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
-(g) metrics exporter on vs off. Each round runs every case's processes once, in
+(g) metrics exporter on vs off; (v, not in the default set) start-up experiments
+with bench/variants.py. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
 order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
 """
 
