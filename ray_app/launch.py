@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ray_app.config import Config, ConfigError, config_from_dict
+from ray_app.config import Config, config_from_dict
 
 log = logging.getLogger("ray_app.launch")
 
@@ -269,5 +269,3 @@ def run_training(cfg: Config) -> dict:
 class TrainingFailed(RuntimeError):
     """Training failed after all retries (exit code 1)."""
 
-
-__all__ = ["run_training", "preflight_run", "train_func", "UserError", "TrainingFailed", "ConfigError", "sys"]

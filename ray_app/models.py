@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ray_app.config import ConfigError
@@ -75,5 +74,3 @@ def validate_model_name(name: str) -> None:
         raise ConfigError(f"config key model.name: unknown model {name!r}; use {', '.join(BUILTIN)} "
                           "or a torchvision classifier such as resnet18")
 
-
-__all__ = ["build_model", "count_parameters", "validate_model_name", "torch"]
