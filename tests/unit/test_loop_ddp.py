@@ -39,6 +39,13 @@ def _init(rank: int, world: int, port: int) -> None:
                             timeout=timedelta(seconds=60))
 
 
+def _finish() -> None:
+    """Leave the group together: a rank that tears gloo down while its peer is still
+    inside a collective (or DDP's constructor) can abort the peer at exit."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawn(fn, world: int, *args) -> None:
     mp.spawn(fn, args=(world, *args), nprocs=world, join=True)
 
@@ -96,8 +103,9 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     assert_identical_parameters(ddp)  # raises if DDP's broadcast did not happen
     result["params_after_ddp"] = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    del ddp  # its reducer holds the process group
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _finish()
 
 
 # ---------------------------------------------------------------- fakes for the Trainer
@@ -203,7 +211,7 @@ def _trainer_worker(rank: int, world: int, port: int, out: str, storage: str) ->
         resumed = _fit(rank, world, cfg)  # a new worker group: same config, same run name
         results[name] = {"crashed": crashed, "resumed": resumed}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _finish()
 
 
 def _load_ranks(out: Path, world: int) -> list[dict]:
