@@ -19,8 +19,10 @@ import json
 import logging
 import os
 import random
+import copy
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +122,61 @@ def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
                 "epoch": payload.state["epoch"], "files": files}
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
+
+
+def _cpu_copy(obj):
+    """A deep copy whose tensors are new CPU tensors (nothing shared with the live training state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class Snapshot:
+    """A consistent CPU copy of a payload, taken without stopping training for the big part.
+
+    What the next forward pass may change (module buffers such as BatchNorm statistics) and
+    the small parts are copied at once. Parameters and optimizer state change only in the next
+    optimizer step, so they are copied on a thread while the next forward/backward runs; the
+    loop calls ``wait()`` before that step.
+    """
+
+    def __init__(self, payload: CheckpointPayload, param_keys: frozenset[str]):
+        self._model = {k: v if k in param_keys else _cpu_copy(v) for k, v in payload.model.items()}
+        self._param_keys = param_keys
+        self._optimizer = payload.optimizer
+        self._small = _cpu_copy({"scheduler": payload.scheduler, "scaler": payload.scaler, "rng": payload.rng_per_rank,
+                                 "state": payload.state, "config": payload.config, "metrics": payload.metrics})
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._copy_rest, name="ray-app-ckpt-snapshot", daemon=True)
+        self._thread.start()
+
+    def _copy_rest(self) -> None:
+        try:
+            self._model = {k: _cpu_copy(v) if k in self._param_keys else v for k, v in self._model.items()}
+            self._optimizer = _cpu_copy(self._optimizer)
+        except BaseException as e:  # surfaced by wait(), on the training thread
+            self._error = e
+
+    def wait(self) -> float:
+        """Block until the copy is complete; returns the seconds waited."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"copying the checkpoint state failed: {self._error}") from self._error
+        return time.perf_counter() - t0
+
+    def payload(self) -> CheckpointPayload:
+        self.wait()
+        s = self._small
+        return CheckpointPayload(model=self._model, optimizer=self._optimizer, scheduler=s["scheduler"],
+                                 scaler=s["scaler"], rng_per_rank=s["rng"], state=s["state"], config=s["config"],
+                                 metrics=s["metrics"])
 
 
 def upload_checkpoint_dir(local: Path, storage, rel: str) -> None:
@@ -267,11 +324,20 @@ class Checkpointer:
 
     ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
     (Ray Train's ``ray.train.report`` in production); every rank calls ``save``.
+
+    With ``staged=True`` (``checkpoint.upload: async``) the writer rank only takes a
+    :class:`Snapshot`; writing the files, hashing them and uploading happen in
+    ``upload_fn``, which Ray Train runs on its background upload thread. One
+    checkpoint is in flight at a time: a new one waits for the previous upload, so
+    at most one extra copy of the state is held in memory.
     """
 
-    def __init__(self, storage, run: str, report, *, resume_from: str = "", warn=log.warning):
+    def __init__(self, storage, run: str, report, *, resume_from: str = "", warn=log.warning, staged: bool = False):
         self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
+        self.staged = staged
         self.last_uri: str | None = None
+        self._snapshot: Snapshot | None = None
+        self._uploaded: threading.Event | None = None
 
     def choose(self) -> tuple[object, str] | None:
         """(storage, rel) of the checkpoint to start from, or None for a fresh start."""
@@ -291,22 +357,45 @@ class Checkpointer:
         self.last_uri = loaded.uri
         return loaded
 
-    def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool) -> float:
-        """Write (on the writer rank) and report a checkpoint. Returns seconds training was blocked."""
+    def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool,
+             param_keys: frozenset[str] = frozenset()) -> float:
+        """Write or stage (on the writer rank) and report a checkpoint. Returns seconds training was blocked.
+
+        ``param_keys``: the model state-dict keys that only an optimizer step changes (staged mode
+        copies them in the background; call :meth:`settle` before the next optimizer step).
+        """
         t0 = time.perf_counter()
         name = checkpoint_dir_name(metrics["global_step"])
-        local = None
+        local, snapshot = None, None
         if is_writer:
+            if self._uploaded is not None:
+                self._uploaded.wait()  # back-pressure: the previous upload is still running
             local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
-            write_checkpoint_dir(local, payload)
+            if self.staged:
+                snapshot = self._snapshot = Snapshot(payload, param_keys)
+                self._uploaded = threading.Event()
+            else:
+                write_checkpoint_dir(local, payload)
             self.last_uri = self.storage.uri(self.run, name)
         metrics = dict(metrics, checkpoint=self.storage.uri(self.run, name))
+        uploaded = self._uploaded
 
         def upload(local_dir: Path, dir_name: str) -> None:
-            upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}")
+            try:
+                if snapshot is not None:
+                    write_checkpoint_dir(local_dir, snapshot.payload())
+                upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}")
+            finally:
+                if snapshot is not None and uploaded is not None:
+                    uploaded.set()
 
         self._report(metrics, local, name, upload)
         return time.perf_counter() - t0
+
+    def settle(self) -> float:
+        """Wait until a staged snapshot no longer needs the live state; returns seconds waited."""
+        snapshot, self._snapshot = self._snapshot, None
+        return snapshot.wait() if snapshot is not None else 0.0
 
 
 def cleanup_local(path: Path | None) -> None:

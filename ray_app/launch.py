@@ -111,6 +111,7 @@ def train_func(cfg_dict: dict, summaries=None) -> None:
     storage = open_storage(cfg.run.storage)
     runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
     checkpointer = Checkpointer(storage, cfg.run.name, runtime.report, resume_from=cfg.run.resume_from,
+                                staged=cfg.checkpoint.upload == "async",
                                 warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     metrics = NullMetrics()
     if runtime.rank == 0 and cfg.metrics.enabled:

@@ -214,12 +214,16 @@ class Trainer:
         self._announce()
         self.t_start = time.perf_counter()
         self.samples_seen = 0
+        self.ckpt_blocked_seconds, self.checkpoints_written, self._ckpt_pending_blocked = 0.0, 0, None
         self._steady = _Steady(first_step=self.pos.global_step + STEADY_SKIP_STEPS)
         while self.pos.epoch < self.cfg.train.epochs and not self._done():
             self.train_epoch(self.pos.epoch)
         self.last_eval = self.evaluate()
         summary = self._final_metrics()
         self._final_checkpoint(summary)
+        self._settle_checkpoint()
+        summary.update(checkpoint_blocked_seconds=round(self.ckpt_blocked_seconds, 4),
+                       checkpoints_written=self.checkpoints_written)
         self.metrics.close()
         return summary
 
@@ -296,6 +300,7 @@ class Trainer:
         return loss
 
     def _optimizer_step(self) -> None:
+        self._settle_checkpoint()  # a staged snapshot is still copying what step() changes
         if self.cfg.train.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
         self.optimizer.step()
@@ -379,7 +384,21 @@ class Trainer:
                        "last_eval": self.last_eval},
                 config=self.cfg.to_dict(), metrics=dict(self._metrics_dict(), **(metrics or {})),
             )
-        blocked = self.ckpt.save(payload, dict(self._metrics_dict(), **(metrics or {})), is_writer=self.is_rank0)
+        param_keys = frozenset(n for n, _ in self.module.named_parameters(remove_duplicate=False))
+        blocked = self.ckpt.save(payload, dict(self._metrics_dict(), **(metrics or {})), is_writer=self.is_rank0,
+                                 param_keys=param_keys)
+        self._ckpt_pending_blocked = blocked
+        if not self.ckpt.staged:
+            self._settle_checkpoint()
+
+    def _settle_checkpoint(self) -> None:
+        """Account a checkpoint's blocked time once its snapshot (if staged) is complete."""
+        if self._ckpt_pending_blocked is None:
+            return
+        blocked = self._ckpt_pending_blocked + self.ckpt.settle()
+        self._ckpt_pending_blocked = None
+        self.ckpt_blocked_seconds += blocked
+        self.checkpoints_written += 1
         self.metrics.on_checkpoint(blocked_seconds=blocked)
 
     def _final_metrics(self) -> dict:
