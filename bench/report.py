@@ -163,7 +163,7 @@ def detail_lines(runner) -> list[str]:
     out = []
     if "d" in runner.cases:
         out += ["", "## (d) Checkpoints to moto_server (an S3 API server on 127.0.0.1)", ""]
-        for name in ("none", "sync", "async"):
+        for name in runner.plan.specs["d"]:
             for r in runner.runs("d", name):
                 size = f"{r['ckpt_bytes'] / 1e6:.0f} MB per checkpoint, " if r.get("ckpt_bytes") else ""
                 e2e = r["t_end"] - r["first_step_unix"] if r.get("first_step_unix") else None

@@ -218,3 +218,15 @@ def test_non_finite_numbers_are_rejected(value):
 def test_string_keys_are_taken_as_written():
     assert load_config(None, ["run.name=007"]).run.name == "007"
     assert load_config(None, ["run.name=true"]).run.name == "true"
+
+
+def test_readme_config_reference_matches_the_code():
+    """The README's config table is the one `describe_keys()` gives: same keys, defaults and help."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines()
+            if line.startswith("| `") and "." in line.split("|")[1]}
+    for key, typ, default, help_text in describe_keys():
+        assert key in rows, f"README config table lacks {key}"
+        cells = [c.strip() for c in rows[key].split("|")[1:-1]]
+        assert cells[1] == typ, key
+        assert cells[3].startswith(help_text), key
