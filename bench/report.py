@@ -210,7 +210,9 @@ def write(out: Path, rows: list[dict], runner, machine: dict, mode: str) -> None
             f"| 1-min load at each run's start | min {min(loads, default=0):.1f}, "
             f"median {parse.median(loads) or 0:.1f}, max {max(loads, default=0):.1f} |",
             f"| date, duration | {machine['date']}, {machine.get('bench_minutes', '?')} min, "
-            f"{runner.rounds} interleaved round(s) |", "", "## Figures", ""]
+            f"{runner.rounds} interleaved round(s) |"]
+    head += [f"| merged | {m} |" for m in machine.get("merged", [])]
+    head += ["", "## Figures", ""]
     body = head + table_lines(rows) + ["", dataparallel_note(machine["gpus"])]
     body += startup_lines(runner) + detail_lines(runner) + ["", "## Method", "", METHOD] + runs_lines(runner)
     (out / "RESULTS.md").write_text("\n".join(body) + "\n")

@@ -103,7 +103,8 @@ class Plan:
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
                   "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},
-            "g": {"on": kit(w["compute"]), "off": kit(w["compute"] + off)},
+            # "on" spelled out, so it is a run of its own and not case (a)'s kit run: on and off back to back
+            "g": {"on": kit(w["compute"] + ("metrics.enabled=true",)), "off": kit(w["compute"] + off)},
             # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
             "v": {name: kit(startup, variant=name, launch="cold") for name in variants},
         }
@@ -443,6 +444,20 @@ def problems(r: Runner, rows: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
+def merge(runner: Runner, cases: list[str], old: dict, machine: dict) -> list[str]:
+    """Add an earlier bench's runs of the cases not re-run now; returns every case the report covers."""
+    keep = [r for r in old["runs"] if r["label"].split("/")[0] not in cases]
+    old_cases = {r["label"].split("/")[0] for r in keep}
+    runner.cases = [c for c in runner.plan.specs if c in old_cases or c in cases]
+    runner.rounds = max(runner.rounds, *(int(r["label"].rsplit(" ", 1)[1]) for r in keep)) if keep else runner.rounds
+    runner.load(keep)
+    om = old["machine"]
+    machine["merged"] = old.get("machine", {}).get("merged", []) + [
+        f"cases {','.join(sorted(old_cases))} from the bench of {om['date']} (kit {om.get('kit', '?')}, "
+        f"load before {om['load_average']}, {om.get('bench_minutes', '?')} min); this run: cases {','.join(cases)}"]
+    return runner.cases
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every case once at tiny size; check the outputs only")
@@ -454,6 +469,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="rewrite the report from a saved results.json")
+    p.add_argument("--merge", metavar="RESULTS_JSON",
+                   help="re-run only --cases; the other cases' runs come from this earlier results.json")
     p.add_argument("--variants", default=",".join(VARIANT_NAMES),
                    help="case v: bench/variants.py names to compare (the first is the reference, 'kit')")
     args = p.parse_args(argv)
@@ -491,6 +508,10 @@ def main(argv=None) -> int:
         machine["load_average_after"] = report.load_average()
         machine["kit_after"] = report.kit_version()  # the tree may change during a long bench
         machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
+    if args.merge:
+        cases = merge(runner, cases, json.loads(Path(args.merge).read_text()), machine)
+        (out / "results.json").write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
+                                                      "cluster_start_s": runner.cluster_start_s}, default=str))
     rows = [row for c in cases for row in rows_for(c, runner)]
     report.write(out, rows, runner, machine, mode=mode)
     bad = problems(runner, rows)

@@ -160,3 +160,28 @@ def test_flops_and_mfu(monkeypatch):
     assert per_sample == pytest.approx(6 * weights - 2 * 3072 * 3072, rel=0.001)
     assert flops.mfu(per_sample, 1000.0, 1e15) == pytest.approx(per_sample * 1000 / 1e15)
     assert flops.mfu(None, 1.0, 1.0) is None
+
+
+def _fake_run(label: str, sps: float) -> dict:
+    return {"label": label, "rc": 0, "load1": 1.0, "steady_sps": sps, "wall_s": 30.0, "t0": 0.0, "t_end": 30.0}
+
+
+def test_merge_keeps_the_earlier_cases_and_the_new_runs(tmp_path):
+    """--merge: re-run case (g) only; (a) comes from an earlier results.json, (g)'s old runs are dropped."""
+    from bench.run import Plan, Runner, merge, rows_g
+
+    plan = Plan("full", ("kit",))
+    runner = Runner(plan, ["g"], 2, tmp_path)
+    for rnd in range(2):  # what a run of --cases g --rounds 2 leaves
+        for spec, label in runner.schedule(rnd).items():
+            runner.results[(spec, rnd)] = _fake_run(label, 100.0 if "off" in label else 99.5)
+    old = {"machine": {"date": "earlier", "load_average": "1 1 1"},
+           "runs": [_fake_run(f"a/{n} round {r}", 300.0) for n in ("kit", "twin") for r in (1, 2, 3)]
+           + [_fake_run(f"g/off round {r}", 999.0) for r in (1, 2, 3)]}
+    machine = {}
+    cases = merge(runner, ["g"], old, machine)
+    assert cases == ["a", "g"] and runner.rounds == 3
+    assert len(runner.runs("a", "kit")) == 3 and len(runner.runs("g", "off")) == 2  # the old g runs are gone
+    (row,) = rows_g(runner)
+    assert row["ratio"] == pytest.approx(0.005) and row["ok"]
+    assert "cases a from the bench of earlier" in machine["merged"][0]
