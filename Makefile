@@ -40,6 +40,10 @@ test: venv ## Run every test tier (unit, integration, e2e; e2e needs Docker)
 test-unit: venv ## Fast pure tests only
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
+.PHONY: lint
+lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the unit tests
+	$(VENV)/bin/ruff check ray_app bench tests
+
 .PHONY: preflight
 preflight: venv ## Check config, storage and cluster without training
 	$(VENV)/bin/ray-app preflight --config $(CONFIG) $(ARGS)

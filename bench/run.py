@@ -219,7 +219,7 @@ class Runner:
 
                 longest_first = sorted(todo.items(), key=lambda kv: not kv[0].kill)
                 with ThreadPoolExecutor(self.jobs) as pool:
-                    list(pool.map(lambda kv: self._run(kv[0], rnd, kv[1]), longest_first))
+                    list(pool.map(lambda kv, r=rnd: self._run(kv[0], r, kv[1]), longest_first))
             else:
                 for spec, label in todo.items():
                     self._run(spec, rnd, label)

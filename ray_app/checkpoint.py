@@ -13,13 +13,13 @@ Loading uses ``torch.load(..., weights_only=True)`` only.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
 import logging
 import os
 import random
-import copy
 import shutil
 import tempfile
 import threading

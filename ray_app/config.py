@@ -73,7 +73,8 @@ class CheckpointSection:
     every_epochs: int = _f(1, "Checkpoint every N epochs (0 = never at epoch ends).", min=0)
     every_steps: int = _f(0, "Also checkpoint every N optimizer steps, mid-epoch included (0 = off).", min=0)
     keep: int = _f(3, "Newest committed checkpoints kept (older ones deleted).", min=1)
-    upload: str = _f("sync", "sync blocks training while the checkpoint is written and uploaded; async copies the state and writes + uploads it in the background.", choices=["sync", "async"])
+    upload: str = _f("sync", "sync blocks training while the checkpoint is written and uploaded; "
+                     "async copies the state and writes + uploads it in the background.", choices=["sync", "async"])
 
 
 @dataclass

@@ -357,10 +357,10 @@ class Trainer:
             preds.append(logits.argmax(dim=1))
             targets.append(y)
         dev = self.device
-        idx, p, t, l = gather_predictions(self.eval_indices.to(dev), torch.cat(preds), torch.cat(targets),
-                                          torch.cat(losses), self.world_size)
+        idx, p, t, loss = gather_predictions(self.eval_indices.to(dev), torch.cat(preds), torch.cat(targets),
+                                             torch.cat(losses), self.world_size)
         self.model.train()
-        result = {"eval_accuracy": (p == t).double().mean().item(), "eval_loss": l.mean().item(),
+        result = {"eval_accuracy": (p == t).double().mean().item(), "eval_loss": loss.mean().item(),
                   "num_samples": int(idx.numel())}
         self.metrics.on_eval(eval_loss=result["eval_loss"], eval_accuracy=result["eval_accuracy"])
         return result

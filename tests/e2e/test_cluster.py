@@ -13,7 +13,6 @@ import secrets
 import time
 
 import pytest
-
 from e2e_cluster import LOG_DIR, ContainerCluster, docker, rank_placements, summary_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -10,7 +10,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from e2e_cluster import COMPOSE_FILE, REPO, docker, venv_tool
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -84,10 +84,10 @@ def start_s3_server(log_path: Path) -> S3Server:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             break
-        except OSError:
+        except OSError as e:
             if time.time() > deadline or proc.poll() is not None:
                 proc.kill()
-                raise RuntimeError(f"moto_server did not start; see {log_path}")
+                raise RuntimeError(f"moto_server did not start; see {log_path}") from e
             time.sleep(0.2)
 
     def c(svc):

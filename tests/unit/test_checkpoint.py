@@ -12,10 +12,22 @@ import numpy as np
 import pytest
 import torch
 
-from ray_app.checkpoint import (MANIFEST, CheckpointError, CheckpointPayload, Checkpointer, capture_rng_state,
-                                checkpoint_dir_name, list_checkpoints, load_verified, newest_verified,
-                                resolve_checkpoint_uri, restore_rng_state, upload_checkpoint_dir, verify,
-                                write_checkpoint_dir)
+from ray_app.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    CheckpointError,
+    CheckpointPayload,
+    capture_rng_state,
+    checkpoint_dir_name,
+    list_checkpoints,
+    load_verified,
+    newest_verified,
+    resolve_checkpoint_uri,
+    restore_rng_state,
+    upload_checkpoint_dir,
+    verify,
+    write_checkpoint_dir,
+)
 from ray_app.storage import LocalStorage, StorageError
 
 RUN = "run-a"

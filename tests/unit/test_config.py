@@ -225,7 +225,7 @@ def test_readme_config_reference_matches_the_code():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines()
             if line.startswith("| `") and "." in line.split("|")[1]}
-    for key, typ, default, help_text in describe_keys():
+    for key, typ, _default, help_text in describe_keys():
         assert key in rows, f"README config table lacks {key}"
         cells = [c.strip() for c in rows[key].split("|")[1:-1]]
         assert cells[1] == typ, key

@@ -78,7 +78,7 @@ def test_pod_templates_inside_custom_resources_validate_strictly(rel, version):
     for obj in render(rel):
         if obj["kind"] not in CRD_FILES:
             continue
-        for where, spec in pod_specs(obj):
+        for where, _spec in pod_specs(obj):
             template_path = where.rsplit("/spec", 1)[0]
             node = obj
             for part in template_path.strip("/").split("/"):

@@ -25,8 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified
 from ray_app.config import load_config
 from ray_app.data import build_datasets
-from ray_app.loop import (ResumableDistributedSampler, Trainer, assert_identical_parameters, gather_predictions,
-                          global_mean, lr_lambda)
+from ray_app.loop import ResumableDistributedSampler, Trainer, assert_identical_parameters, gather_predictions, global_mean, lr_lambda
 from ray_app.models import build_model
 from ray_app.storage import LocalStorage
 
@@ -94,9 +93,9 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
         losses.append(F.cross_entropy(x, y, reduction="none"))
     local_idx = torch.tensor(list(iter(sampler)))
     assert torch.equal(local_idx, torch.cat(idx_seen))  # the order the loop assumes
-    idx, p, t, l = gather_predictions(local_idx, torch.cat(preds), torch.cat(tgts), torch.cat(losses), world)
+    idx, p, t, loss = gather_predictions(local_idx, torch.cat(preds), torch.cat(tgts), torch.cat(losses), world)
     result["eval"] = {"indices": idx.tolist(), "accuracy": (p == t).double().mean().item(),
-                      "loss": l.mean().item(), "num_samples": int(idx.numel()),
+                      "loss": loss.mean().item(), "num_samples": int(idx.numel()),
                       "padded_count": len(local_idx) * world}
     # practice 4: sample-weighted global mean of unequal per-rank sums
     mine = rank_losses(rank)

@@ -7,9 +7,7 @@ calls the train loop makes, and reads http://127.0.0.1:PORT/metrics.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
@@ -22,18 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
 from ray_app.metrics import ADVERTISE_HOST_ENV, METRICS, SD_DIR_ENV, PrometheusMetrics
+from tests.helpers import promtool
 
 GPU_METRICS = {"ray_app_gpu_memory_allocated_bytes", "ray_app_gpu_memory_max_allocated_bytes"}
-
-
-def promtool() -> str:
-    """Path of promtool; skip without it, unless CI says Prometheus must be there."""
-    path = shutil.which("promtool")
-    if path:
-        return path
-    if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
-        pytest.fail("promtool is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
-    pytest.skip("promtool not installed (apt-get install -y prometheus)")
 
 
 def free_port() -> int:

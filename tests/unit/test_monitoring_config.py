@@ -8,27 +8,16 @@ alerts are shown to fire, and to stay quiet, on the series they are about.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
+
+from tests.helpers import promtool
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 RULES = MONITORING / "rules" / "ray-app.rules.yml"
 DASHBOARD = MONITORING / "grafana" / "ray-app-dashboard.json"
-
-
-def promtool() -> str:
-    """Path of promtool; skip without it, unless CI says Prometheus must be there."""
-    path = shutil.which("promtool")
-    if path:
-        return path
-    if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
-        pytest.fail("promtool is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
-    pytest.skip("promtool not installed (apt-get install -y prometheus)")
 
 
 def run_promtool(*args: str) -> str:
