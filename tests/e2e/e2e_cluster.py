@@ -33,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers import stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
@@ -190,11 +192,7 @@ class MotoS3:
         return sorted(steps)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self._log.close()
 
 
@@ -252,11 +250,7 @@ class HostPrometheus:
             return json.load(r)["data"]["activeTargets"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, grace_s=15)
         self._log.close()
 
 

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers import stop_process
+
 BUCKET = "ray-app-test"
 _SETUP_CALLS = 7  # create_bucket + 2 x (create_user, put_user_policy, create_access_key)
 
@@ -63,11 +65,7 @@ class S3Server:
         return out
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
 
 
 def start_s3_server(log_path: Path) -> S3Server:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import stop_process
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,12 +136,7 @@ class Prometheus:
         return self.get("/api/v1/targets", state="active")["activeTargets"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, grace_s=30)
 
 
 class TrainingRun:
