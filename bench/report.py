@@ -26,17 +26,23 @@ METHOD = """\
   `first_step_unix` when present, else the first scrape of rank 0's exporter (polled at 20 Hz) showing
   `ray_app_step_seconds_count >= 1`. Phases come from Ray's own logs of that run (session start, driver
   core-worker log, Ray Train's controller/worker sys logs) and the twin's in-process stamps.
-- **Checkpoint cost** (to `moto_server`, an S3 API server on 127.0.0.1): blocked time per checkpoint is
-  `ray_app_checkpoint_blocked_seconds` (sum/count, summary or exporter); end-to-end is first step -> process
-  exit (every epoch's checkpoint and the final one included) against the same run without checkpoints.
+- **Checkpoint cost** (a 294 MB state to `moto_server`, an S3 API server on 127.0.0.1 sharing the 2 cores):
+  blocked time per checkpoint is the summary's `checkpoint_blocked_seconds / checkpoints_written` (else the
+  exporter's `ray_app_checkpoint_blocked_seconds` sum/count); for async that is the snapshot plus Ray's report
+  barrier, and the wait for the parameter copy before the next optimizer step. End-to-end is first step ->
+  process exit against the same run that checkpoints only at the end ("final": every run that keeps its
+  model pays that one commit); "final" against no checkpoint at all is shown too.
 - **Recovery**: a non-rank-0 worker gets SIGKILL right after the first committed checkpoint; the figure is
   SIGKILL -> first optimizer step of the restarted worker group (kit: Ray Train restart; twin:
   `torchrun --max-restarts 1` and a `torch.save` checkpoint at the same cadence).
 - **Exporter on** means rank 0 serves `/metrics` and the bench scrapes it every 5 s (every 0.5 s in (d) and
-  (e), and 20 Hz until the first step); **off** is `metrics.enabled=false`.
+  (e), and 20 Hz until the first step); **off** is `metrics.enabled=false`. Its cost is 1 - the median of the
+  per-round on/off ratios (each round runs both back to back, so slow load drifts cancel within a pair).
 - **Scaling**: the 1-worker runs stop after 48 optimizer steps (`train.max_steps`; same per-worker batch).
-- Medians over the rounds; each round runs every case once, kit and twin alternating (A B A B ...). The
-  machine is shared: the 1-minute load average at each run's start is in the last table.
+- Medians over the rounds; each round runs every case once, its variants in turn, in reverse order on every
+  other round (A B, B A, ...). The machine is shared: the 1-minute load average at each run's start is in the
+  last table. `--merge` reports re-run cases together with the other cases' runs of an earlier bench (the
+  machine table says which came from when).
 """
 
 

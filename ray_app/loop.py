@@ -223,7 +223,7 @@ class Trainer:
         self._final_checkpoint(summary)
         self._settle_checkpoint()
         summary.update(checkpoint_blocked_seconds=round(self.ckpt_blocked_seconds, 4),
-                       checkpoints_written=self.checkpoints_written)
+                       checkpoints_written=self.checkpoints_written, **self.metrics.cost_summary())
         self.metrics.close()
         return summary
 

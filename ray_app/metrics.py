@@ -103,15 +103,62 @@ class NullMetrics:
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
     def close(self) -> None: ...
 
+    def cost_summary(self) -> dict:
+        """Summary keys on what exporting cost (none without an exporter)."""
+        return {}
+
+
+def _timed(method):
+    """Count the wall time of an exporter call on the training thread (its own cost, for the summary)."""
+
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.cost.calls_seconds += time.perf_counter() - t0
+
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
+class ExporterCost:
+    """What the exporter itself costs: time in its calls on the training thread, CPU time of
+    rendering scrapes (on the server's threads), and the number of scrapes."""
+
+    def __init__(self):
+        self.calls_seconds = self.scrape_cpu_seconds = 0.0
+        self.scrapes = 0
+
+    def as_dict(self) -> dict:
+        return {"exporter_seconds": round(self.calls_seconds + self.scrape_cpu_seconds, 6),
+                "exporter_scrapes": self.scrapes}
+
+
+def _costed_registry(cost: ExporterCost):
+    from prometheus_client import CollectorRegistry
+
+    class CostedRegistry(CollectorRegistry):
+        def collect(self):
+            t0 = time.thread_time()  # CPU of this scrape's thread: collecting and rendering between yields
+            try:
+                yield from super().collect()
+            finally:
+                cost.scrape_cpu_seconds += time.thread_time() - t0
+                cost.scrapes += 1
+
+    return CostedRegistry(auto_describe=True)
+
 
 class PrometheusMetrics(NullMetrics):
     """prometheus-client exporter served by rank 0 on ``port``."""
 
     def __init__(self, port: int, bind: str = "0.0.0.0"):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.port, self.bind = port, bind
-        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.cost = ExporterCost()
+        self.registry = reg = _costed_registry(self.cost)
         self._server = self._thread = self._sd_target = None
         self.serving_port = None
         h = {k: v[1] for k, v in METRICS.items()}
@@ -188,9 +235,11 @@ class PrometheusMetrics(NullMetrics):
         except OSError as exc:
             log.warning("cannot write the Prometheus target file in %s (%s); metrics are served but not announced", directory, exc)
 
+    @_timed
     def on_step(self, step_seconds: float) -> None:
         self.step_seconds.observe(step_seconds)
 
+    @_timed
     def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None:
         self.epoch.set(epoch)
         self.global_step.set(global_step)
@@ -199,17 +248,23 @@ class PrometheusMetrics(NullMetrics):
         self.samples.inc(samples)
         self.samples_per_second.set(samples_per_second)
 
+    @_timed
     def on_eval(self, *, eval_loss, eval_accuracy) -> None:
         self.eval_loss.set(eval_loss)
         self.eval_accuracy.set(eval_accuracy)
 
+    @_timed
     def on_checkpoint(self, *, blocked_seconds) -> None:
         self.ckpt_blocked.observe(blocked_seconds)
         self.last_ckpt.set(time.time())
 
+    @_timed
     def on_gpu_memory(self, *, allocated, max_allocated) -> None:
         self.gpu_alloc.set(allocated)
         self.gpu_max.set(max_allocated)
+
+    def cost_summary(self) -> dict:
+        return self.cost.as_dict()
 
     def close(self) -> None:
         if self._sd_target is not None:

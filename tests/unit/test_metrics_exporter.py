@@ -19,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
-from ray_app.metrics import ADVERTISE_HOST_ENV, METRICS, SD_DIR_ENV, PrometheusMetrics
+from ray_app.metrics import ADVERTISE_HOST_ENV, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
 from tests.helpers import promtool
 
 GPU_METRICS = {"ray_app_gpu_memory_allocated_bytes", "ray_app_gpu_memory_max_allocated_bytes"}
@@ -241,3 +241,16 @@ def test_dashboard_covers_the_contract():
     used = {name for q in dashboard_queries() for name in NAME.findall(q)}
     base = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in used}
     assert sorted(set(METRICS) - used - base - {b + "_total" for b in base}) == []
+
+
+def test_exporter_accounts_for_its_own_cost(exporter):
+    """The summary's exporter_seconds / exporter_scrapes: calls on the training thread + scrape CPU."""
+    m, _ = exporter  # the fixture drove a short run and scraped once
+    calls_only = m.cost.calls_seconds
+    assert calls_only > 0 and m.cost.scrapes == 1
+    for _ in range(3):
+        scrape(m.serving_port)
+    summary = m.cost_summary()
+    assert summary["exporter_scrapes"] == 4
+    assert summary["exporter_seconds"] >= round(calls_only, 6) and m.cost.scrape_cpu_seconds > 0
+    assert NullMetrics().cost_summary() == {}
