@@ -464,7 +464,7 @@ def merge(runner: Runner, cases: list[str], old: dict, machine: dict) -> list[st
     runner.rounds = max(runner.rounds, *(int(r["label"].rsplit(" ", 1)[1]) for r in keep)) if keep else runner.rounds
     runner.load(keep)
     om = old["machine"]
-    machine["merged"] = old.get("machine", {}).get("merged", []) + [
+    machine["merged"] = machine.get("merged", []) + om.get("merged", []) + [
         f"cases {','.join(sorted(old_cases))} from the bench of {om['date']} (kit {om.get('kit', '?')}, "
         f"load before {om['load_average']}, {om.get('bench_minutes', '?')} min); this run: cases {','.join(cases)}"]
     return runner.cases
