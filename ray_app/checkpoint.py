@@ -366,19 +366,18 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         name = checkpoint_dir_name(metrics["global_step"])
-        local, snapshot = None, None
+        local, snapshot, uploaded = None, None, None
         if is_writer:
             if self._uploaded is not None:
                 self._uploaded.wait()  # back-pressure: the previous upload is still running
             local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
             if self.staged:
                 snapshot = self._snapshot = Snapshot(payload, param_keys)
-                self._uploaded = threading.Event()
+                uploaded = self._uploaded = threading.Event()
             else:
                 write_checkpoint_dir(local, payload)
             self.last_uri = self.storage.uri(self.run, name)
         metrics = dict(metrics, checkpoint=self.storage.uri(self.run, name))
-        uploaded = self._uploaded
 
         def upload(local_dir: Path, dir_name: str) -> None:
             try:
@@ -386,7 +385,7 @@ class Checkpointer:
                     write_checkpoint_dir(local_dir, snapshot.payload())
                 upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}")
             finally:
-                if snapshot is not None and uploaded is not None:
+                if uploaded is not None:
                     uploaded.set()
 
         self._report(metrics, local, name, upload)

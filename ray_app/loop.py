@@ -147,6 +147,8 @@ class Trainer:
         model = build_model(cfg.model.name, self.data_info).to(self.device)
         self.model = self.rt.prepare_model(model, bucket_cap_mb=cfg.train.bucket_cap_mb)
         self.module = getattr(self.model, "module", self.model)
+        # state-dict keys only an optimizer step changes (a staged checkpoint copies them in the background)
+        self.param_keys = frozenset(n for n, _ in self.module.named_parameters(remove_duplicate=False))
         assert_identical_parameters(self.model)
         seed_everything(cfg.run.seed * 1000 + self.rank)  # per-rank streams (dropout, augmentation)
 
@@ -384,9 +386,8 @@ class Trainer:
                        "last_eval": self.last_eval},
                 config=self.cfg.to_dict(), metrics=dict(self._metrics_dict(), **(metrics or {})),
             )
-        param_keys = frozenset(n for n, _ in self.module.named_parameters(remove_duplicate=False))
         blocked = self.ckpt.save(payload, dict(self._metrics_dict(), **(metrics or {})), is_writer=self.is_rank0,
-                                 param_keys=param_keys)
+                                 param_keys=self.param_keys)
         self._ckpt_pending_blocked = blocked
         if not self.ckpt.staged:
             self._settle_checkpoint()

@@ -9,6 +9,7 @@ dashboard use only these.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -111,6 +112,7 @@ class NullMetrics:
 def _timed(method):
     """Count the wall time of an exporter call on the training thread (its own cost, for the summary)."""
 
+    @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         t0 = time.perf_counter()
         try:
@@ -118,7 +120,6 @@ def _timed(method):
         finally:
             self.cost.calls_seconds += time.perf_counter() - t0
 
-    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
     return wrapper
 
 
