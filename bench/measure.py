@@ -52,6 +52,7 @@ class Spec:
     device: str = "cpu"  # twin: "cuda" runs one process on the GPU(s), no torchrun (bench/gpu.sh)
     data_parallel: bool = False  # twin on cuda: nn.DataParallel over every visible GPU (the article's baseline)
     variant: str = ""  # kit, cold: run through bench/variants.py VARIANT (a start-up experiment)
+    cpu_sample: bool = False  # sample every process's CPU time (10 Hz) to say which used it before the first step
 
     @property
     def metrics_on(self) -> bool:
@@ -159,6 +160,54 @@ class ExporterPoller(threading.Thread):
             self._stop.wait(self.FAST if waiting else self.slow)
 
 
+class CpuSampler(threading.Thread):
+    """CPU seconds (user + system) of every process of one run, sampled at 10 Hz.
+
+    ``roots()`` names the processes to follow with all their descendants (the run's process; for a warm
+    run also the cluster's, whose CPU before the run is subtracted). ``report(t)`` gives each process's
+    role and its CPU seconds up to time ``t`` (see ``parse.cpu_by_role``).
+    """
+
+    def __init__(self, roots, every: float = 0.1):
+        super().__init__(daemon=True)
+        self.roots, self.every = roots, every
+        self.procs: dict[int, dict] = {}
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while True:
+            self._sample()
+            if self._halt.wait(self.every):
+                return
+
+    def _sample(self) -> None:
+        found = []
+        for root in self.roots():
+            try:
+                found += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+        now = time.time()
+        for p in found:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    rec = self.procs.setdefault(p.pid, {"created": p.create_time(), "role": "", "points": []})
+                    role = parse.process_role(p.cmdline())
+            except psutil.Error:
+                continue
+            if role and (not rec["role"] or role != "ray::IDLE"):  # an actor's name outlives its IDLE title
+                rec["role"] = role
+            rec["points"].append((now, t.user + t.system))
+
+    def report(self, until: float, t0: float) -> dict:
+        return parse.cpu_by_role(self.procs, until, t0)
+
+
 # ---------------------------------------------------------------- warm cluster
 
 def _auth_env() -> dict:
@@ -239,6 +288,10 @@ class WarmCluster:
 
     def raylet(self) -> list[psutil.Process]:
         return [p for p in processes_mentioning(str(self.temp)) if "raylet" in p.name()]
+
+    def core(self) -> list[psutil.Process]:
+        """The head's own processes other than the raylet (GCS, dashboard, monitors) and their children."""
+        return [p for p in processes_mentioning(str(self.temp)) if "raylet" not in p.name()]
 
     def logs(self) -> Path:
         return self.temp / "session_latest" / "logs"
@@ -384,6 +437,12 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     poller = ExporterPoller(port, spec.scrape_every) if port else None
     if poller:
         poller.start()
+    sampler = None
+    if spec.cpu_sample:
+        here = psutil.Process(proc.pid)
+        cluster = ctx.cluster.raylet() + ctx.cluster.core() if spec.launch == "warm" and ctx.cluster else []
+        sampler = CpuSampler(lambda: [here, *cluster])
+        sampler.start()
     t_kill = None
     try:
         if spec.kill:
@@ -400,6 +459,8 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
             proc.wait()
         if poller:
             poller.stop()
+        if sampler:
+            sampler.stop()
         recorder.join(timeout=10)
         if spec.kind == "kit" and spec.launch == "cold":
             kill_tree(processes_mentioning(str(d / "r")))  # leftovers of a crashed run's Ray
@@ -412,6 +473,8 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         _twin_figures(result, d, recorder, t0, t_kill)
     if t_kill is None and spec.kill:
         result["recovery_s"] = None
+    if sampler and result.get("first_step_unix"):
+        result["cpu_before_first_step"] = sampler.report(result["first_step_unix"], t0)
     (d / "result.json").write_text(json.dumps(result, default=str))  # kept with the run's logs (--keep)
     return result
 

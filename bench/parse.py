@@ -239,3 +239,59 @@ def median(values) -> float | None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+# ---------------------------------------------------------------- CPU by process
+
+def process_role(cmdline: list[str]) -> str:
+    """A short name for a process from its command line: a Ray worker's title ("ray::RayTrainWorker"),
+    a binary ("raylet"), a Python script or module ("dashboard.py", "-m ray_app", "ray job")."""
+    if not cmdline:
+        return ""
+    first = cmdline[0].split()[0] if cmdline[0].startswith("ray::") else cmdline[0]
+    if first.startswith("ray::"):
+        return first.split(".")[0]
+    exe = Path(first).name
+    if not exe.startswith("python"):
+        return exe
+    args = cmdline[1:]
+    while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
+        args = args[1:]
+    if not args:
+        return exe
+    if args[0] in ("-m", "-c"):  # a module, or the first statement of a program (a multiprocessing helper)
+        return f"{args[0]} {args[1].split(';')[0][:60]}" if len(args) > 1 else exe
+    script = Path(args[0]).name
+    return f"{script} {args[1]}" if script == "ray" and len(args) > 1 else script
+
+
+def _cpu_at(points: list[tuple[float, float]], t: float) -> float:
+    """CPU seconds at time ``t``, linear between the samples around it (the last sample after it ended)."""
+    before = [p for p in points if p[0] <= t]
+    after = [p for p in points if p[0] > t]
+    if not before:
+        return 0.0
+    (ta, ca) = before[-1]
+    if not after:
+        return ca
+    tb, cb = after[0]
+    return ca + (cb - ca) * (t - ta) / (tb - ta)
+
+
+def cpu_by_role(procs: dict[int, dict], until: float, t0: float) -> dict:
+    """CPU seconds each role used between ``t0`` and ``until`` (a process that existed before ``t0``
+    counts from its first sample), summed over its processes: {"total": s, "roles": {role: [n, s]}}."""
+    roles: dict[str, list] = {}
+    for rec in procs.values():
+        pts = sorted(rec["points"])
+        if not pts or rec["created"] > until:
+            continue
+        base = pts[0][1] if rec["created"] < t0 else 0.0
+        used = max(0.0, _cpu_at(pts, until) - base)
+        if used < 0.005:
+            continue
+        n_s = roles.setdefault(rec["role"] or "?", [0, 0.0])
+        n_s[0] += 1
+        n_s[1] = round(n_s[1] + used, 3)
+    total = round(sum(s for _, s in roles.values()), 3)
+    return {"total": total, "roles": dict(sorted(roles.items(), key=lambda kv: -kv[1][1]))}

@@ -162,6 +162,30 @@ def _phase_tables(runner, case: str, names) -> list[str]:
         out.append("")
         out += ["| phase | s |", "| --- | ---: |"] + [f"| {k} | {_num(v)} |" for k, v in ph.items()]
         out.append("")
+        out += _cpu_table(runs)
+    return out
+
+
+def _cpu_table(runs: list[dict]) -> list[str]:
+    """CPU seconds before the first step by process role (medians over the runs that sampled them)."""
+    sampled = [r["cpu_before_first_step"] for r in runs if r.get("cpu_before_first_step")]
+    if not sampled:
+        return []
+    roles: list[str] = []
+    for c in sampled:
+        roles += [k for k in c["roles"] if k not in roles]
+    rows = []
+    for role in roles:
+        n = parse.median(c["roles"].get(role, [0, 0.0])[0] for c in sampled)
+        rows.append((role, n, parse.median(c["roles"].get(role, [0, 0.0])[1] for c in sampled)))
+    rows.sort(key=lambda x: -(x[2] or 0))
+    total = parse.median(c["total"] for c in sampled)
+    cores = os.cpu_count() or 1
+    out = [f"CPU used before the first step, by process (median of {len(sampled)} run(s)): **{_num(total)} CPU s**, "
+           f"at least {_num(total / cores)} s of wall time on {cores} cores", "",
+           "| process | count | CPU s |", "| --- | ---: | ---: |"]
+    out += [f"| `{role}` | {_num(n, 0)} | {_num(s)} |" for role, n, s in rows if (s or 0) >= 0.05]
+    out.append("")
     return out
 
 

@@ -68,7 +68,7 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g"
-VARIANT_NAMES = ("kit", "no-dashboard", "no-watchers", "lean")
+VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0", "startup-8")
 
 
 class Plan:
@@ -97,8 +97,8 @@ class Plan:
         self.specs = {
             "a": {"kit": kit(w["compute"]), "twin": twin(w["compute"])},
             "b": {"kit": kit(w["comm"]), "twin": twin(w["comm"])},
-            "c": {"kit cold": kit(startup, launch="cold"), "twin": twin(startup),
-                  "kit warm": kit(startup, launch="warm")},
+            "c": {"kit cold": kit(startup, launch="cold", cpu_sample=True), "twin": twin(startup, cpu_sample=True),
+                  "kit warm": kit(startup, launch="warm", cpu_sample=True)},
             "d": {name: kit(o, storage="s3", scrape_every=scrape) for name, o in ckpt.items()},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
@@ -106,7 +106,7 @@ class Plan:
             # "on" spelled out, so it is a run of its own and not case (a)'s kit run: on and off back to back
             "g": {"on": kit(w["compute"] + ("metrics.enabled=true",)), "off": kit(w["compute"] + off)},
             # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
-            "v": {name: kit(startup, variant=name, launch="cold") for name in variants},
+            "v": {name: kit(startup, variant=name, launch="cold", cpu_sample=True) for name in variants},
         }
 
 
@@ -116,11 +116,11 @@ class Plan:
         k1 = Spec("kit", w["compute"] + ckpt + ("checkpoint.every_steps=4", "checkpoint.upload=sync"), launch="warm",
                   storage="s3", kill=True, scrape_every=0.25)
         k2 = Spec("kit", w["compute"] + ckpt + ("checkpoint.upload=async",), launch="cold", storage="s3",
-                  scrape_every=0.25)
+                  scrape_every=0.25, cpu_sample=True)
         k3 = Spec("kit", w["comm"], launch="warm")
         k4 = Spec("kit", w["compute"] + ("metrics.enabled=false",), workers=1, launch="warm")
         t1 = Spec("twin", w["compute"] + ("checkpoint.every_steps=4",), kill=True)
-        t2, t3 = Spec("twin", w["comm"]), Spec("twin", w["compute"], workers=1)
+        t2, t3 = Spec("twin", w["comm"], cpu_sample=True), Spec("twin", w["compute"], workers=1)
         self.specs = {"a": {"kit": k1, "twin": t1}, "b": {"kit": k3, "twin": t2},
                       "c": {"kit cold": k2, "twin": t1, "kit warm": k1}, "d": {"none": k3, "sync": k1, "async": k2},
                       "e": {"kit": k1, "twin": t1}, "f": {"kit 2": k1, "twin 2": t1, "kit 1": k4, "twin 1": t3},

@@ -33,6 +33,15 @@ def _no_dashboard() -> None:
     ray.init = init
 
 
+def _ray_default_callbacks() -> None:
+    """The trainer with all of Ray Train's default controller callbacks (the kit leaves two out)."""
+    from ray.train.torch import TorchTrainer
+
+    from ray_app import launch
+
+    launch.lean_trainer_class = lambda: TorchTrainer
+
+
 # name -> (environment, driver patch, what it changes)
 VARIANTS = {
     "kit": ({}, None, "the kit as it is"),
@@ -42,8 +51,17 @@ VARIANTS = {
                     "preemption watcher (which the kit now switches off itself)"),
     "lean": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, _no_dashboard,
              "no-dashboard and no-watchers together"),
-    "fast-poll": ({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}, None,
-                  "Ray Train's controller polls the workers every 0.5 s instead of 2 s (end of run, failures)"),
+    "ray-defaults": ({}, _ray_default_callbacks,
+                     "Ray Train's default callbacks, with the DatasetManager and PlacementGroupCleaner actors "
+                     "the kit leaves out (ray_app.launch.LEAN_DROPPED_CALLBACKS)"),
+    "startup-8": ({"RAY_worker_maximum_startup_concurrency": "8"}, None,
+                  "the raylet starts up to 8 worker processes at once (default: the CPU count)"),
+    "nice0": ({"RAY_worker_niceness": "0"}, None,
+              "Ray's worker processes (controller, train workers) at nice 0 like Ray's own daemons "
+              "(default 15)"),
+    "ray-poll": ({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}, None,
+                 "Ray Train's controller polls the workers every 2 s (Ray's default; the kit sets 0.5 s: a finished "
+                 "run ends and a dead worker is seen sooner)"),
 }
 
 

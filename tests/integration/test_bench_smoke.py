@@ -30,8 +30,13 @@ def test_bench_smoke_writes_well_formed_results(tmp_path):
     kinds = {(r["kind"], r["launch"]) for r in results["runs"]}
     assert {("kit", "cold"), ("kit", "warm"), ("twin", "torchrun")} <= kinds
     assert all(r["rc"] == 0 for r in results["runs"])
+    # the CPU sampler saw the kit's Ray Train workers and the twin's ranks use CPU before the first step
+    sampled = {r["kind"]: r["cpu_before_first_step"] for r in results["runs"] if r.get("cpu_before_first_step")}
+    assert sampled["kit"]["roles"]["ray::RayTrainWorker"][0] == 2, sampled["kit"]
+    assert sampled["twin"]["roles"]["twin.py"][0] == 2 and sampled["twin"]["total"] > 0, sampled["twin"]
 
     md = (tmp_path / "RESULTS.md").read_text()
+    assert "CPU used before the first step, by process" in md
     for heading in ("## Figures", "## (c) Where start-up time goes", "## (d) Checkpoints", "## (e) Recovery",
                     "## Method", "## Every run"):
         assert heading in md

@@ -185,3 +185,36 @@ def test_merge_keeps_the_earlier_cases_and_the_new_runs(tmp_path):
     (row,) = rows_g(runner)
     assert row["ratio"] == pytest.approx(0.005) and row["ok"]
     assert "cases a from the bench of earlier" in machine["merged"][0]
+
+
+def test_process_roles_from_command_lines():
+    assert parse.process_role(["ray::RayTrainWorker.__init__"]) == "ray::RayTrainWorker"
+    assert parse.process_role(["ray::TrainController.run", ""]) == "ray::TrainController"
+    assert parse.process_role(["ray::IDLE"]) == "ray::IDLE"
+    assert parse.process_role(["/x/site-packages/ray/core/src/ray/raylet/raylet", "--flag"]) == "raylet"
+    assert parse.process_role(["/v/bin/python", "-u", "/x/dashboard/dashboard.py", "--a"]) == "dashboard.py"
+    assert parse.process_role(["/v/bin/python", "-m", "ray_app", "train"]) == "-m ray_app"
+    assert parse.process_role(["/v/bin/python3", "/v/bin/ray", "job", "submit"]) == "ray job"
+    assert parse.process_role(["/v/bin/python", "/v/bin/torchrun", "--standalone"]) == "torchrun"
+    assert parse.process_role(["/v/bin/python", "-B", "-c", "from multiprocessing.forkserver import main; main(1)"]) \
+        == "-c from multiprocessing.forkserver import main"
+    assert parse.process_role([]) == ""
+
+
+def test_cpu_by_role_counts_only_up_to_the_first_step():
+    t0 = 100.0
+    procs = {
+        # a cluster process from before the run: only what it used after t0 counts
+        1: {"created": 50.0, "role": "raylet", "points": [(100.1, 30.0), (101.1, 30.5), (103.1, 31.5)]},
+        # two workers started during the run; the first step comes at 102.1, between samples
+        2: {"created": 100.5, "role": "ray::RayTrainWorker", "points": [(101.1, 1.0), (103.1, 3.0)]},
+        3: {"created": 100.6, "role": "ray::RayTrainWorker", "points": [(101.1, 0.5), (102.1, 2.0)]},
+        # started after the first step: not counted
+        4: {"created": 102.5, "role": "ray::DatasetManager", "points": [(103.1, 1.0)]},
+    }
+    got = parse.cpu_by_role(procs, until=102.1, t0=t0)
+    assert got["roles"]["raylet"] == [1, 1.0]
+    assert got["roles"]["ray::RayTrainWorker"] == [2, 4.0]
+    assert "ray::DatasetManager" not in got["roles"]
+    assert got["total"] == 5.0
+    assert list(got["roles"]) == ["ray::RayTrainWorker", "raylet"]
