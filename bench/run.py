@@ -68,7 +68,7 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g"
-VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0", "startup-8")
+VARIANT_NAMES = ("kit", "ray-defaults", "serial-preflight", "ray-poll", "nice0")
 
 
 class Plan:

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -225,21 +226,59 @@ def build_trainer(cfg: Config, storage, summaries=None):
 
 
 def preflight_run(cfg: Config):
-    """Everything that can be checked before a worker starts. Returns the storage."""
-    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
-    from ray_app.models import validate_model_name
+    """Everything that can be checked before a worker starts. Returns the storage.
+
+    Torch is imported only to verify ``run.resume_from``: the model name is checked from names.
+    """
+    from ray_app.modelnames import validate_model_name
     from ray_app.storage import StorageError, open_storage, preflight
 
     validate_model_name(cfg.model.name)
     storage = open_storage(cfg.run.storage)
     preflight(storage)
     if cfg.run.resume_from:
+        from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+
         try:
             rs, rel = resolve_checkpoint_uri(cfg.run.resume_from)
             load_verified(rs, rel, rank=None, model_only=True)
         except (CheckpointError, StorageError) as exc:
             raise UserError(f"config key run.resume_from: {exc}") from None
     return storage
+
+
+# The driver needs torch (Ray Train's TorchTrainer imports it): ~1.5 s of one core. A thread imports it
+# while Ray starts (local Ray spends ~5 s starting its daemons, the driver mostly waiting) or connects.
+# bench/variants.py "serial-preflight" turns this off to measure it.
+OVERLAP_TORCH_IMPORT = True
+
+
+def _import_torch_in_background(cfg: Config) -> threading.Thread | None:
+    """Start importing torch (and torchvision for its models) on a thread; join it before using Ray Train.
+
+    Errors are left to the real import in the main thread. ``ray`` is imported first, so the thread and
+    ``ray.init`` never import the same module at once (torch does not import Ray).
+    """
+    if not OVERLAP_TORCH_IMPORT:
+        return None
+    import ray  # noqa: F401
+
+    from ray_app.modelnames import BUILTIN
+
+    modules = ["torch"] + ([] if cfg.model.name in BUILTIN else ["torchvision"])
+
+    def run() -> None:
+        import importlib
+
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                return
+
+    thread = threading.Thread(target=run, name="ray-app-import-torch", daemon=True)
+    thread.start()
+    return thread
 
 
 def driver_node_queue():
@@ -256,8 +295,13 @@ def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
-    init_ray(cfg)
-    ray_ready = time.time()
+    importing = _import_torch_in_background(cfg)
+    try:
+        init_ray(cfg)
+        ray_ready = time.time()
+    finally:
+        if importing is not None:
+            importing.join()  # before Ray Train imports torch itself, and before any exit
 
     # Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
     # resume that trains nothing, empty with checkpoints off. Rank 0 hands over its summary instead.

@@ -6,8 +6,7 @@ from torch import nn
 
 from ray_app.config import ConfigError
 from ray_app.data import DataInfo
-
-BUILTIN = ("digits_cnn", "mlp", "wide_mlp")
+from ray_app.modelnames import BUILTIN, validate_model_name  # noqa: F401 -- names checked without torch
 
 
 class DigitsCNN(nn.Module):
@@ -60,17 +59,3 @@ def build_model(name: str, info: DataInfo) -> nn.Module:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def validate_model_name(name: str) -> None:
-    """Cheap check at config time (no model is built)."""
-    if name in BUILTIN:
-        return
-    try:
-        import torchvision
-    except Exception:
-        raise ConfigError(f"config key model.name={name}: needs torchvision; use {', '.join(BUILTIN)}") from None
-    if name not in torchvision.models.list_models(module=torchvision.models):
-        raise ConfigError(f"config key model.name: unknown model {name!r}; use {', '.join(BUILTIN)} "
-                          "or a torchvision classifier such as resnet18")
-

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -66,3 +69,18 @@ def test_unknown_model_raises_config_error(name):
 @pytest.mark.parametrize("name", [*BUILTIN, "resnet18", "mobilenet_v3_small"])
 def test_known_names_validate(name):
     validate_model_name(name)
+
+
+def test_torchvision_names_read_from_its_sources_match_its_registry():
+    import torchvision
+
+    from ray_app.modelnames import torchvision_classifiers
+
+    assert torchvision_classifiers() == set(torchvision.models.list_models(module=torchvision.models))
+
+
+def test_model_names_are_checked_without_importing_torch():
+    code = ("import sys; from ray_app.modelnames import validate_model_name; validate_model_name('resnet18'); "
+            "validate_model_name('digits_cnn'); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
