@@ -9,6 +9,7 @@ the kit come from Ray's own logs in a temp dir that belongs to this run
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -140,8 +141,8 @@ class ExporterPoller(threading.Thread):
     def _scrape(self) -> dict | None:
         try:
             with urllib.request.urlopen(self.url, timeout=1) as r:
-                return parse.parse_prom(r.read().decode())
-        except OSError:
+                return parse.parse_prom(r.read().decode(errors="replace"))
+        except (OSError, http.client.HTTPException):  # not up yet, or another server took the port first
             return None
 
     def run(self) -> None:
@@ -441,6 +442,8 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     if spec.cpu_sample:
         here = psutil.Process(proc.pid)
         cluster = ctx.cluster.raylet() + ctx.cluster.core() if spec.launch == "warm" and ctx.cluster else []
+        if spec.storage == "s3" and ctx.s3 is not None:
+            cluster.append(psutil.Process(ctx.s3.proc.pid))  # the S3 server shares the machine's cores
         sampler = CpuSampler(lambda: [here, *cluster])
         sampler.start()
     t_kill = None
@@ -473,8 +476,10 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         _twin_figures(result, d, recorder, t0, t_kill)
     if t_kill is None and spec.kill:
         result["recovery_s"] = None
-    if sampler and result.get("first_step_unix"):
-        result["cpu_before_first_step"] = sampler.report(result["first_step_unix"], t0)
+    if sampler:
+        result["cpu_in_run"] = sampler.report(t_end, t0)
+        if result.get("first_step_unix"):
+            result["cpu_before_first_step"] = sampler.report(result["first_step_unix"], t0)
     (d / "result.json").write_text(json.dumps(result, default=str))  # kept with the run's logs (--keep)
     return result
 

@@ -197,9 +197,13 @@ def detail_lines(runner) -> list[str]:
             for r in runner.runs("d", name):
                 size = f"{r['ckpt_bytes'] / 1e6:.0f} MB per checkpoint, " if r.get("ckpt_bytes") else ""
                 e2e = r["t_end"] - r["first_step_unix"] if r.get("first_step_unix") else None
+                cpu = r.get("cpu_in_run") or {}
+                s3_cpu = (cpu.get("roles") or {}).get("moto_server", [0, None])[1]
+                cpu_note = (f", CPU in the run {_num(cpu['total'])} s (the S3 server's {_num(s3_cpu)} s)"
+                            if cpu else "")
                 out.append(f"- {name}: {size}blocked/ckpt {_num(r.get('ckpt_blocked_s'))} s "
                            f"({r.get('ckpt_blocked_source') or 'n/a'}), wall {_num(r['wall_s'])} s, "
-                           f"first step -> exit {_num(e2e)} s")
+                           f"first step -> exit {_num(e2e)} s{cpu_note}")
     if "e" in runner.cases:
         out += ["", "## (e) Recovery detail", ""]
         for side in ("kit", "twin"):

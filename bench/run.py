@@ -68,7 +68,7 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g"
-VARIANT_NAMES = ("kit", "ray-defaults", "serial-preflight", "ray-poll", "nice0")
+VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0")
 
 
 class Plan:
@@ -99,7 +99,7 @@ class Plan:
             "b": {"kit": kit(w["comm"]), "twin": twin(w["comm"])},
             "c": {"kit cold": kit(startup, launch="cold", cpu_sample=True), "twin": twin(startup, cpu_sample=True),
                   "kit warm": kit(startup, launch="warm", cpu_sample=True)},
-            "d": {name: kit(o, storage="s3", scrape_every=scrape) for name, o in ckpt.items()},
+            "d": {name: kit(o, storage="s3", scrape_every=scrape, cpu_sample=True) for name, o in ckpt.items()},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
                   "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},

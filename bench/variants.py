@@ -42,13 +42,6 @@ def _ray_default_callbacks() -> None:
     launch.lean_trainer_class = lambda: TorchTrainer
 
 
-def _serial_preflight() -> None:
-    """The driver imports torch after Ray has started, not while it starts."""
-    from ray_app import launch
-
-    launch.OVERLAP_TORCH_IMPORT = False
-
-
 # name -> (environment, driver patch, what it changes)
 VARIANTS = {
     "kit": ({}, None, "the kit as it is"),
@@ -61,8 +54,6 @@ VARIANTS = {
     "ray-defaults": ({}, _ray_default_callbacks,
                      "Ray Train's default callbacks, with the DatasetManager and PlacementGroupCleaner actors "
                      "the kit leaves out (ray_app.launch.LEAN_DROPPED_CALLBACKS)"),
-    "serial-preflight": ({}, _serial_preflight,
-                         "the driver imports torch after Ray has started, not on a thread while it starts"),
     "startup-8": ({"RAY_worker_maximum_startup_concurrency": "8"}, None,
                   "the raylet starts up to 8 worker processes at once (default: the CPU count)"),
     "nice0": ({"RAY_worker_niceness": "0"}, None,

@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -247,40 +246,6 @@ def preflight_run(cfg: Config):
     return storage
 
 
-# The driver needs torch (Ray Train's TorchTrainer imports it): ~1.5 s of one core. A thread imports it
-# while Ray starts (local Ray spends ~5 s starting its daemons, the driver mostly waiting) or connects.
-# bench/variants.py "serial-preflight" turns this off to measure it.
-OVERLAP_TORCH_IMPORT = True
-
-
-def _import_torch_in_background(cfg: Config) -> threading.Thread | None:
-    """Start importing torch (and torchvision for its models) on a thread; join it before using Ray Train.
-
-    Errors are left to the real import in the main thread. ``ray`` is imported first, so the thread and
-    ``ray.init`` never import the same module at once (torch does not import Ray).
-    """
-    if not OVERLAP_TORCH_IMPORT:
-        return None
-    import ray  # noqa: F401
-
-    from ray_app.modelnames import BUILTIN
-
-    modules = ["torch"] + ([] if cfg.model.name in BUILTIN else ["torchvision"])
-
-    def run() -> None:
-        import importlib
-
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:
-                return
-
-    thread = threading.Thread(target=run, name="ray-app-import-torch", daemon=True)
-    thread.start()
-    return thread
-
-
 def driver_node_queue():
     """A Ray queue pinned to the driver's node (0 CPUs): it must outlive any worker node's death."""
     import ray
@@ -295,13 +260,8 @@ def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
-    importing = _import_torch_in_background(cfg)
-    try:
-        init_ray(cfg)
-        ray_ready = time.time()
-    finally:
-        if importing is not None:
-            importing.join()  # before Ray Train imports torch itself, and before any exit
+    init_ray(cfg)
+    ray_ready = time.time()
 
     # Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
     # resume that trains nothing, empty with checkpoints off. Rank 0 hands over its summary instead.
