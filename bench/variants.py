@@ -34,12 +34,15 @@ def _no_dashboard() -> None:
 
 
 def _ray_default_callbacks() -> None:
-    """The trainer with all of Ray Train's default controller callbacks (the kit leaves two out)."""
-    from ray.train.torch import TorchTrainer
+    """The trainer with all of Ray Train's default controller callbacks (the kit leaves two out).
+
+    torch is imported where the kit imports it (building the trainer), not when the patch is applied.
+    """
+    import importlib
 
     from ray_app import launch
 
-    launch.lean_trainer_class = lambda: TorchTrainer
+    launch.lean_trainer_class = lambda: importlib.import_module("ray.train.torch").TorchTrainer
 
 
 # name -> (environment, driver patch, what it changes)
