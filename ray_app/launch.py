@@ -174,7 +174,7 @@ def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
 
 # Ray Train V2 default controller callbacks the kit leaves out; each starts one more Ray actor (one more
 # Python process importing Ray) while the worker group starts, so on a 2-core machine each costs start-up
-# time (bench case v, "slim": -2.0 s to the first step, cold):
+# time (bench case v, variant "ray-defaults" puts them back: +3.1 s to the first step, cold, median of 3):
 # - DatasetsCallback: a DatasetManager actor per run, for Ray Datasets passed to the trainer; the kit passes
 #   none (its loaders are plain torch DataLoaders), so it is dropped only when there are no datasets.
 # - PlacementGroupCleanerCallback: a detached actor per run that removes the worker group's placement group
