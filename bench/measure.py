@@ -186,21 +186,23 @@ class CpuSampler(threading.Thread):
                 return
 
     def _sample(self) -> None:
-        found = []
+        found: dict[int, psutil.Process] = {}  # a root may also be another root's descendant
         for root in self.roots():
             try:
-                found += [root, *root.children(recursive=True)]
+                found.update((p.pid, p) for p in (root, *root.children(recursive=True)))
             except psutil.Error:
                 continue
         now = time.time()
-        for p in found:
+        for pid, p in found.items():
             try:
                 with p.oneshot():
                     t = p.cpu_times()
-                    rec = self.procs.setdefault(p.pid, {"created": p.create_time(), "role": "", "points": []})
-                    role = parse.process_role(p.cmdline())
+                    if pid not in self.procs:
+                        self.procs[pid] = {"created": p.create_time(), "role": "", "points": []}
+                    role = parse.process_role(p.cmdline())  # Ray retitles a worker when it becomes an actor
             except psutil.Error:
                 continue
+            rec = self.procs[pid]
             if role and (not rec["role"] or role != "ray::IDLE"):  # an actor's name outlives its IDLE title
                 rec["role"] = role
             rec["points"].append((now, t.user + t.system))
@@ -290,9 +292,9 @@ class WarmCluster:
     def raylet(self) -> list[psutil.Process]:
         return [p for p in processes_mentioning(str(self.temp)) if "raylet" in p.name()]
 
-    def core(self) -> list[psutil.Process]:
-        """The head's own processes other than the raylet (GCS, dashboard, monitors) and their children."""
-        return [p for p in processes_mentioning(str(self.temp)) if "raylet" not in p.name()]
+    def processes(self) -> list[psutil.Process]:
+        """The head's processes (GCS, raylet, dashboard, monitors); their children are Ray's workers."""
+        return processes_mentioning(str(self.temp))
 
     def logs(self) -> Path:
         return self.temp / "session_latest" / "logs"
@@ -441,7 +443,7 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     sampler = None
     if spec.cpu_sample:
         here = psutil.Process(proc.pid)
-        cluster = ctx.cluster.raylet() + ctx.cluster.core() if spec.launch == "warm" and ctx.cluster else []
+        cluster = ctx.cluster.processes() if spec.launch == "warm" and ctx.cluster else []
         if spec.storage == "s3" and ctx.s3 is not None:
             cluster.append(psutil.Process(ctx.s3.proc.pid))  # the S3 server shares the machine's cores
         sampler = CpuSampler(lambda: [here, *cluster])

@@ -192,7 +192,7 @@ def lean_trainer_class():
     class LeanTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
-            drop = {"PlacementGroupCleanerCallback"} | (set() if self.datasets else {"DatasetsCallback"})
+            drop = set(LEAN_DROPPED_CALLBACKS) - ({"DatasetsCallback"} if self.datasets else set())
             return [cb for cb in callbacks if type(cb).__name__ not in drop]
 
     if not callable(getattr(TorchTrainer, "_create_default_callbacks", None)):
