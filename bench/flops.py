@@ -35,13 +35,12 @@ def flops_per_sample(overrides: tuple[str, ...], batch: int = 2) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ray_app.config import load_config
-    from ray_app.data import DataInfo
-    from ray_app.models import build_model
+    from ray_app.plugins import build_model
 
     cfg = load_config(None, list(overrides))
     channels = 1 if cfg.data.name == "digits" else 3
-    size = 8 if cfg.data.name == "digits" else (32 if cfg.data.name == "cifar10" else cfg.data.image_size)
-    model = build_model(cfg.model.name, DataInfo(10, channels, size))
+    size = 8 if cfg.data.name == "digits" else (32 if cfg.data.name == "cifar10" else cfg.data.args.get("image_size", 32))
+    model = build_model(cfg, {"num_classes": 10, "channels": channels, "image_size": size})
     x = torch.randn(batch, channels, size, size)
     y = torch.randint(0, 10, (batch,))
     with FlopCounterMode(display=False) as counter:

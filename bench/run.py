@@ -36,16 +36,16 @@ _COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epo
 WORKLOADS = {
     "full": {
         # ~25 s of training each on 2 cores
-        "compute": (*_COMMON, "model.name=resnet18", "data.image_size=32", "data.num_samples=4096",
+        "compute": (*_COMMON, "model.name=resnet18", "data.args.image_size=32", "data.args.num_samples=4096",
                     "data.batch_size=32", "train.epochs=2", "train.log_every_steps=5"),
-        "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=32", "data.num_samples=1536",
+        "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=32", "data.args.num_samples=1536",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5"),
         # wide_mlp at 44x44: 36.7M parameters, model + SGD momentum = 294 MB per checkpoint
         # an epoch is ~25 s of training here (64 steps)
-        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.image_size=44", "data.num_samples=4096",
+        "ckpt": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=44", "data.args.num_samples=4096",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5",
                  "checkpoint.keep=2"),
-        "recovery": (*_COMMON, "model.name=digits_cnn", "data.image_size=32", "data.num_samples=4096",
+        "recovery": (*_COMMON, "model.name=digits_cnn", "data.args.image_size=32", "data.args.num_samples=4096",
                      "data.batch_size=32", "train.epochs=2", "train.log_every_steps=8",
                      "checkpoint.every_steps=16"),
         "startup_steps": 8,
@@ -53,14 +53,14 @@ WORKLOADS = {
     },
     # smoke: 4 kit processes and 3 twins cover every case (the numbers are not judged)
     "smoke": {
-        "compute": (*_COMMON, "model.name=digits_cnn", "data.image_size=8", "data.num_samples=512",
+        "compute": (*_COMMON, "model.name=digits_cnn", "data.args.image_size=8", "data.args.num_samples=512",
                     "data.batch_size=16", "train.epochs=2", "train.log_every_steps=2"),
-        "comm": (*_COMMON, "model.name=wide_mlp", "data.image_size=8", "data.num_samples=256",
+        "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=8", "data.args.num_samples=256",
                  "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2"),
     },
     # bench/gpu.sh: one GPU, one worker, bf16; resnet50 at 128 px (7.9 GFLOP per sample, forward + backward)
     "gpu": {
-        "compute": (*_COMMON, "model.name=resnet50", "data.image_size=128", "data.num_samples=8192",
+        "compute": (*_COMMON, "model.name=resnet50", "data.args.image_size=128", "data.args.num_samples=8192",
                     "data.batch_size=256", "train.epochs=4", "train.log_every_steps=8", "train.lr=0.1",
                     "train.amp=true", "scaling.use_gpu=true"),
         "startup_steps": 0,

@@ -4,8 +4,8 @@
     python bench/twin.py --device cuda ...            # one process, no process group (bench/gpu.sh)
 
 It reads the same config (file + ``--set``) as ``ray-app train`` so the work is
-identical: model (``ray_app.models.build_model``), data
-(``ray_app.data.build_datasets``), seed, per-worker batch size, SGD with
+identical: model (``ray_app.plugins.build_model``), data
+(``ray_app.plugins.build_data``), seed, per-worker batch size, SGD with
 momentum, warmup + cosine LR schedule, log cadence (global-mean loss with one
 all_reduce every ``train.log_every_steps``), exact evaluation after every epoch
 and at the end (all_gather). Everything else is plain torch: DistributedSampler,
@@ -42,8 +42,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ray_app.config import load_config  # noqa: E402  (config parsing only: no Ray, no loop)
-from ray_app.data import build_datasets  # noqa: E402
-from ray_app.models import build_model  # noqa: E402
+from ray_app.plugins import build_data, build_model  # noqa: E402
 
 T_IMPORTS = time.time()
 
@@ -138,10 +137,10 @@ class Twin:
     # ---------------------------------------------------------------- set-up
     def build(self) -> None:
         cfg = self.cfg
-        train_set, eval_set, info = build_datasets(cfg.data)
+        train_set, eval_set, info = build_data(cfg)
         self.stamps["data"] = time.time()
         seed_everything(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
-        model = build_model(cfg.model.name, info).to(self.device)
+        model = build_model(cfg, info).to(self.device)
         if self.distributed:
             model = DistributedDataParallel(model, bucket_cap_mb=cfg.train.bucket_cap_mb)
         elif self.args.data_parallel and self.device.type == "cuda":

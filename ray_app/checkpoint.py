@@ -247,6 +247,22 @@ def newest_verified(storage, run: str, warn=log.warning) -> tuple[str | None, li
     return None, skipped
 
 
+def newest_committed_config(storage, run: str) -> tuple[str, dict] | None:
+    """(URI, config) of the newest checkpoint of a run that has a manifest, its config.json checked against
+    it (cheap: the other files are not read). None when the run has no committed checkpoint."""
+    for name in reversed(list_checkpoints(storage, run)):
+        rel = f"{run}/{name}"
+        try:
+            manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
+            entry = manifest["files"]["config.json"]
+            data = storage.read_bytes(f"{rel}/config.json")
+        except Exception:  # no manifest (not committed) or unreadable: not a checkpoint to resume from
+            continue
+        if hashlib.sha256(data).hexdigest() == entry.get("sha256"):
+            return storage.uri(rel), json.loads(data)
+    return None
+
+
 # ---------------------------------------------------------------- loading
 
 @dataclass
@@ -320,10 +336,13 @@ def resolve_checkpoint_uri(uri: str) -> tuple[object, str]:
 
 
 class Checkpointer:
-    """The loop's handle on checkpoints: restore the newest good one, save new ones.
+    """The loop's handle on checkpoints: which one to start from, when to save, and what saving cost.
 
+    It owns the cadence (``every_epochs``, ``every_steps``, the final one) and the
+    account of time training was blocked (``blocked_seconds``, ``written``): the loop
+    asks ``step_due`` / ``epoch_due`` / ``final_due`` and calls ``save`` on every rank.
     ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
-    (Ray Train's ``ray.train.report`` in production); every rank calls ``save``.
+    (Ray Train's ``ray.train.report`` in production).
 
     With ``staged=True`` (``checkpoint.upload: async``) the writer rank only takes a
     :class:`Snapshot`; writing the files, hashing them and uploading happen in
@@ -332,19 +351,39 @@ class Checkpointer:
     at most one extra copy of the state is held in memory.
     """
 
-    def __init__(self, storage, run: str, report, *, resume_from: str = "", warn=log.warning, staged: bool = False):
+    def __init__(self, storage, run: str, report, *, every_epochs: int = 1, every_steps: int = 0,
+                 resume_from: str = "", warn=log.warning, staged: bool = False):
         self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
-        self.staged = staged
+        self.every_epochs, self.every_steps, self.staged = every_epochs, every_steps, staged
         self.last_uri: str | None = None
+        self.warm_start = False  # the restored checkpoint came from run.resume_from, not from this run
+        self.blocked_seconds, self.written = 0.0, 0
         self._snapshot: Snapshot | None = None
+        self._pending_blocked: float | None = None
         self._uploaded: threading.Event | None = None
 
+    # ------------------------------------------------------------ cadence
+    def step_due(self, pos, batches_per_epoch: int) -> bool:
+        """Mid-epoch checkpoints every ``every_steps`` optimizer steps (epoch ends have their own)."""
+        return bool(self.every_steps) and pos.global_step % self.every_steps == 0 and pos.batches_done < batches_per_epoch
+
+    def epoch_due(self, epochs_done: int, total_epochs: int) -> bool:
+        """Every ``every_epochs`` epochs; the last epoch is left to the final checkpoint."""
+        return bool(self.every_epochs) and epochs_done % self.every_epochs == 0 and epochs_done < total_epochs
+
+    def final_due(self, global_step: int, resumed_from_step: int) -> bool:
+        """The run ends on a checkpoint unless checkpoints are off or this start trained nothing new."""
+        trained = global_step > resumed_from_step or self.last_uri is None
+        return trained and bool(self.every_epochs or self.every_steps)
+
+    # ------------------------------------------------------------ restore
     def choose(self) -> tuple[object, str] | None:
         """(storage, rel) of the checkpoint to start from, or None for a fresh start."""
         name, _ = newest_verified(self.storage, self.run, warn=self.warn)
         if name is not None:
             return self.storage, f"{self.run}/{name}"
         if self.resume_from:
+            self.warm_start = True
             return resolve_checkpoint_uri(self.resume_from)
         return None
 
@@ -357,12 +396,14 @@ class Checkpointer:
         self.last_uri = loaded.uri
         return loaded
 
+    # ------------------------------------------------------------ save
     def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool,
-             param_keys: frozenset[str] = frozenset()) -> float:
-        """Write or stage (on the writer rank) and report a checkpoint. Returns seconds training was blocked.
+             param_keys: frozenset[str] = frozenset()) -> float | None:
+        """Write or stage (on the writer rank) and report a checkpoint.
 
-        ``param_keys``: the model state-dict keys that only an optimizer step changes (staged mode
-        copies them in the background; call :meth:`settle` before the next optimizer step).
+        Returns the seconds training was blocked, or None while a staged snapshot is still copying
+        (``param_keys``: the state-dict keys only an optimizer step changes, which staged mode copies in
+        the background; call :meth:`settle` before the next optimizer step, it returns the total then).
         """
         t0 = time.perf_counter()
         name = checkpoint_dir_name(metrics["global_step"])
@@ -389,12 +430,21 @@ class Checkpointer:
                     uploaded.set()
 
         self._report(metrics, local, name, upload)
-        return time.perf_counter() - t0
+        self._pending_blocked = time.perf_counter() - t0
+        return None if self.staged else self.settle()
 
-    def settle(self) -> float:
-        """Wait until a staged snapshot no longer needs the live state; returns seconds waited."""
+    def settle(self) -> float | None:
+        """Wait until a staged snapshot no longer needs the live state; account the checkpoint.
+
+        Returns the seconds the last checkpoint blocked training in all, or None if none is pending."""
+        if self._pending_blocked is None:
+            return None
         snapshot, self._snapshot = self._snapshot, None
-        return snapshot.wait() if snapshot is not None else 0.0
+        blocked = self._pending_blocked + (snapshot.wait() if snapshot is not None else 0.0)
+        self._pending_blocked = None
+        self.blocked_seconds += blocked
+        self.written += 1
+        return blocked
 
 
 def cleanup_local(path: Path | None) -> None:

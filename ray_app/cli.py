@@ -145,9 +145,10 @@ def cmd_checkpoints(args) -> int:
     else:
         for r in rows:
             status = "verified" if r["verified"] else f"NOT VERIFIED ({r['problems']})"
-            acc = r["metrics"].get("eval_accuracy")
+            shown = "  ".join(f"{k} {v if not isinstance(v, float) else round(v, 4)}"
+                              for k, v in r["metrics"].items() if k.startswith("eval_"))
             print(f"{r['name']}  epoch {r['epoch']}  step {r['global_step']}  {r['time']}  "
-                  f"{r['bytes'] / 1e6:.2f} MB  eval_accuracy {acc if acc is None else round(acc, 4)}  {status}")
+                  f"{r['bytes'] / 1e6:.2f} MB  {shown + '  ' if shown else ''}{status}")
     if args.action == "verify":
         bad = [r for r in rows if not r["verified"]]
         if bad and (run is None or bad[-1] is rows[-1] or len(bad) == len(rows)):
@@ -173,7 +174,7 @@ def _describe(storage, rel: str, name: str) -> dict:
             "epoch": man.get("epoch"), "global_step": man.get("global_step"),
             "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(created)) if created else "?",
             "bytes": sum(files.values()),
-            "metrics": {k: metrics.get(k) for k in ("train_loss", "eval_loss", "eval_accuracy") if k in metrics}}
+            "metrics": {k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")}}
 
 
 def _export(args) -> int:

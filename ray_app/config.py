@@ -37,19 +37,35 @@ class RunSection:
     resume_from: str = _f("", "Warm-start from this checkpoint URI when the run has no checkpoint of its own.")
 
 
+def _args(help: str):
+    return field(default_factory=dict, metadata={"help": help, "choices": None, "min": None, "max": None})
+
+
 @dataclass
 class DataSection:
-    name: str = _f("digits", "Data set.", choices=["digits", "synthetic", "cifar10", "imagefolder"])
-    path: str = _f("", "Folder with the data for cifar10 (cifar-10-batches-py inside) or imagefolder (train/ and val/ inside).")
+    name: str = _f("digits", "Data set: digits, synthetic, cifar10, imagefolder, or your own factory "
+                   "package.module:function returning (train, eval) or (train, eval, info).")
+    args: dict = _args("Keyword arguments of the data factory (synthetic: num_samples, image_size; "
+                       "imagefolder: image_size).")
+    path: str = _f("", "Data folder, passed as the factory's path argument (cifar10: cifar-10-batches-py inside; "
+                   "imagefolder: train/ and val/ inside); relative to where ray-app runs.")
     batch_size: int = _f(32, "Per-worker batch size (global batch = batch_size * num_workers * grad_accum).", min=1)
     loader_workers: int = _f(0, "DataLoader worker processes per training worker.", min=0, max=64)
-    num_samples: int = _f(2048, "synthetic only: number of training samples (eval gets a quarter).", min=1)
-    image_size: int = _f(32, "synthetic and imagefolder: image side in pixels.", min=4, max=1024)
 
 
 @dataclass
 class ModelSection:
-    name: str = _f("digits_cnn", "Model: digits_cnn, mlp, wide_mlp, or a torchvision classifier (resnet18, ...), random init.")
+    name: str = _f("digits_cnn", "Model: digits_cnn, mlp, wide_mlp, a torchvision classifier (resnet18, ...), "
+                   "or your own package.module:Class (an nn.Module class or a function returning one).")
+    args: dict = _args("Keyword arguments of the model; entries of the data's info (num_classes, ...) fill "
+                       "parameters not given here.")
+
+
+@dataclass
+class TaskSection:
+    name: str = _f("classification", "Task (loss and eval metrics): classification, regression, language_model, "
+                   "or your own package.module:Class with loss(model, batch) and evaluate(model, batch).")
+    args: dict = _args("Keyword arguments of the task (classification: label_smoothing).")
 
 
 @dataclass
@@ -101,6 +117,7 @@ class Config:
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     scaling: ScalingSection = field(default_factory=ScalingSection)
@@ -123,8 +140,28 @@ def _type_name(t) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
+def _plain_args(key: str, value: Any) -> dict:
+    """A plug-in's ``args``: a mapping with string keys (values: anything YAML gives)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key {key}: expected a mapping of keyword arguments, got {value!r}")
+    for k in value:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ConfigError(f"config key {key}: {k!r} is not a valid argument name")
+    return value
+
+
+def _merge_args(current: dict, new: dict) -> dict:
+    """``--set model.args.hidden=3`` adds to the args the file gave; nested mappings merge too."""
+    merged = dict(current)
+    for k, v in new.items():
+        merged[k] = _merge_args(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
 def _coerce(key: str, value: Any, fld: dataclasses.Field) -> Any:
     """Check one value against its field's type and bounds; return it typed."""
+    if fld.type == "dict":
+        return _plain_args(key, value)
     t = {"int": int, "float": float, "bool": bool, "str": str}.get(fld.type, fld.type)
     meta = fld.metadata
     ok = (
@@ -172,7 +209,10 @@ def _apply(cfg: Config, tree: dict, origin: str) -> None:
                 raise ConfigError(
                     f"{origin}: unknown config key {section}.{key}; known keys in {section}: {', '.join(fields)}"
                 )
-            setattr(obj, key, _coerce(f"{section}.{key}", value, fields[key]))
+            value = _coerce(f"{section}.{key}", value, fields[key])
+            if fields[key].type == "dict":
+                value = _merge_args(getattr(obj, key), value)
+            setattr(obj, key, value)
 
 
 def _field(section: str, key: str) -> dataclasses.Field | None:
@@ -187,18 +227,27 @@ def parse_override(text: str) -> dict:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example --set train.epochs=5")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
+    if len(parts) > 2 and all(parts) and _field(parts[0], parts[1]) is not None \
+            and _field(parts[0], parts[1]).type == "dict":
+        # section.args.name=value (or deeper): one keyword argument of a plug-in, a YAML scalar
+        value: Any = _yaml_scalar(raw)
+        for name in reversed(parts[2:]):
+            value = {name: value}
+        return {parts[0]: {parts[1]: value}}
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {text!r}: KEY must be section.key, for example train.epochs")
+        raise ConfigError(f"--set {text!r}: KEY must be section.key (or section.args.name), for example train.epochs")
     fld = _field(parts[0], parts[1])
     if fld is not None and fld.type == "str":
         return {parts[0]: {parts[1]: raw.strip()}}  # taken as written: run.name=007 stays "007"
+    return {parts[0]: {parts[1]: _yaml_scalar(raw)}}
+
+
+def _yaml_scalar(raw: str) -> Any:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if value is None:
-        value = ""
-    return {parts[0]: {parts[1]: value}}
+    return "" if value is None else value
 
 
 def _check_cross_field(cfg: Config) -> None:
@@ -214,8 +263,6 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"config key run.storage: {storage!r} is not supported; use a local folder or s3://bucket/prefix")
     if cfg.data.name in ("cifar10", "imagefolder") and not cfg.data.path:
         raise ConfigError(f"config key data.path: data.name={cfg.data.name} needs data.path set to the data folder")
-    if cfg.checkpoint.every_epochs == 0 and cfg.checkpoint.every_steps == 0:
-        pass  # allowed: no checkpoints, the summary says so
     if cfg.scaling.use_gpu and cfg.scaling.gpus_per_worker <= 0:
         raise ConfigError("config key scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
 
@@ -254,12 +301,30 @@ def _absolute_local_paths(cfg: Config) -> None:
             setattr(obj, key, str(Path(value).expanduser().absolute()))
 
 
-def config_from_dict(tree: dict) -> Config:
-    """Rebuild a validated Config from ``Config.to_dict()`` output."""
+def config_from_dict(tree: dict, overrides: list[str] | tuple = ()) -> Config:
+    """Rebuild a validated Config from ``Config.to_dict()`` output (a checkpoint's config.json),
+    then apply ``--set`` overrides."""
     cfg = Config()
-    _apply(cfg, tree, "config")
+    _apply(cfg, _migrated(tree), "config")
+    for text in overrides:
+        _apply(cfg, parse_override(text), f"--set {text}")
     _check_cross_field(cfg)
     return cfg
+
+
+LEGACY_DATA_KEYS = ("num_samples", "image_size")  # once data.*, now data.args.* of synthetic/imagefolder
+
+
+def _migrated(tree: dict) -> dict:
+    """Configs saved in older checkpoints: their data.num_samples / data.image_size become data.args."""
+    data = tree.get("data") if isinstance(tree, dict) else None
+    if not isinstance(data, dict) or not any(k in data for k in LEGACY_DATA_KEYS):
+        return tree
+    data = dict(data)
+    legacy = {k: data.pop(k) for k in LEGACY_DATA_KEYS if k in data}
+    wanted = {"synthetic": LEGACY_DATA_KEYS, "imagefolder": ("image_size",)}.get(data.get("name"), ())
+    data["args"] = {**{k: v for k, v in legacy.items() if k in wanted}, **data.get("args", {})}
+    return {**tree, "data": data}
 
 
 def describe_keys() -> list[tuple[str, str, Any, str]]:
@@ -272,3 +337,31 @@ def describe_keys() -> list[tuple[str, str, Any, str]]:
                 help_text += f" One of: {', '.join(f.metadata['choices'])}."
             rows.append((f"{sec.name}.{f.name}", str(f.type), f.default, help_text))
     return rows
+
+
+# What a checkpoint's state depends on: a run resumes only with these unchanged. Everything
+# else may change on resume (more epochs or max_steps, a new lr, weight decay, momentum or warmup:
+# the LR schedule is re-planned over the new total; clipping, logging, checkpoint cadence, failure and
+# metrics settings, data.path and data.loader_workers, the resources per worker).
+RESUME_MUST_MATCH = (
+    "model.name", "model.args", "data.name", "data.args", "task.name", "task.args", "run.seed",
+    "data.batch_size", "train.grad_accum", "train.optimizer", "scaling.num_workers",
+)
+
+
+def resume_conflicts(saved: dict, cfg: Config) -> list[str]:
+    """The keys in RESUME_MUST_MATCH whose value differs between a checkpoint's config and ``cfg``."""
+    saved, now, default = _migrated(saved), cfg.to_dict(), Config().to_dict()
+    out = []
+    for key in RESUME_MUST_MATCH:
+        section, name = key.split(".")
+        old = (saved.get(section) or {}).get(name, default[section][name])
+        new = now[section][name]
+        if old != new:
+            out.append(f"{key} ({_short(old)} -> {_short(new)})")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,29 +1,27 @@
-"""Data sets: digits (ships with scikit-learn), synthetic, cifar10, imagefolder.
+"""Built-in data sets, plug-ins like any other (``data.name: digits`` = ``ray_app.data:digits``).
 
-Every data set is returned as (train, eval, DataInfo). Nothing is downloaded:
-cifar10 and imagefolder read a local folder in their standard on-disk format.
+Each is a factory returning ``(train, eval, info)``; ``info`` holds ``num_classes``,
+``channels`` and ``image_size``, which the built-in models take by name. Nothing is
+downloaded: cifar10 and imagefolder read a local folder in their standard on-disk format.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ray_app.config import ConfigError, DataSection
+from ray_app.config import ConfigError
+from ray_app.plugins import check_builtin_data_folder
 
 DIGITS_SPLIT_SEED = 1234  # fixed, independent of run.seed: the eval set never changes
 DIGITS_EVAL_FRACTION = 0.2
 
 
-@dataclass(frozen=True)
-class DataInfo:
-    num_classes: int
-    channels: int
-    image_size: int
+def image_info(num_classes: int, channels: int, image_size: int) -> dict:
+    return {"num_classes": num_classes, "channels": channels, "image_size": image_size}
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -47,7 +45,8 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return bunch.images, bunch.target
 
 
-def _digits():
+def digits():
+    """The 1,797 8x8 handwritten digits scikit-learn ships: 1,438 train / 359 eval, split by a fixed seed."""
     images, target = load_digits_arrays()
     x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0  # 1797 x 1 x 8 x 8
     x = (x - 0.5) / 0.5
@@ -55,7 +54,7 @@ def _digits():
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
     n_eval = int(len(y) * DIGITS_EVAL_FRACTION)
     ev, tr = order[:n_eval], order[n_eval:]
-    return TensorDataset(x[tr], y[tr]), TensorDataset(x[ev], y[ev]), DataInfo(10, 1, 8)
+    return TensorDataset(x[tr], y[tr]), TensorDataset(x[ev], y[ev]), image_info(10, 1, 8)
 
 
 def synthetic_tensors(num_samples: int, image_size: int, seed: int, num_classes: int = 10):
@@ -67,10 +66,13 @@ def synthetic_tensors(num_samples: int, image_size: int, seed: int, num_classes:
     return x, y
 
 
-def _synthetic(cfg: DataSection):
-    x, y = synthetic_tensors(cfg.num_samples, cfg.image_size, seed=1)
-    xe, ye = synthetic_tensors(max(cfg.num_samples // 4, 1), cfg.image_size, seed=2)
-    return TensorDataset(x, y), TensorDataset(xe, ye), DataInfo(10, 3, cfg.image_size)
+def synthetic(num_samples: int = 2048, image_size: int = 32):
+    """Random 3-channel images with learnable labels, for benchmarks; the eval set is a quarter the size."""
+    if num_samples < 1 or not 4 <= image_size <= 1024:
+        raise ConfigError("config key data.args: synthetic needs num_samples >= 1 and 4 <= image_size <= 1024")
+    x, y = synthetic_tensors(num_samples, image_size, seed=1)
+    xe, ye = synthetic_tensors(max(num_samples // 4, 1), image_size, seed=2)
+    return TensorDataset(x, y), TensorDataset(xe, ye), image_info(10, 3, image_size)
 
 
 def _torchvision(name: str):
@@ -113,9 +115,6 @@ def _read_cifar_batches(folder: Path, names) -> CifarBatches:
     images, labels = [], []
     for name in names:
         f = folder / name
-        if not f.is_file():
-            raise ConfigError(f"config key data.path: {f} is missing; extract the complete CIFAR-10 "
-                              "python version (data_batch_1..5, test_batch) there")
         try:
             with open(f, "rb") as fh:
                 batch = pickle.load(fh, encoding="latin1")  # the format's own encoding (it is a pickle)
@@ -131,24 +130,21 @@ def _read_cifar_batches(folder: Path, names) -> CifarBatches:
     return CifarBatches(torch.cat(images), torch.cat(labels))
 
 
-def _cifar10(cfg: DataSection):
-    folder = Path(cfg.path) / "cifar-10-batches-py"
-    if not folder.is_dir():
-        raise ConfigError(f"config key data.path: {cfg.path} has no cifar-10-batches-py/ folder; "
-                          "download CIFAR-10 (python version) and extract it there")
+def cifar10(path: str):
+    """CIFAR-10's python version under ``path/cifar-10-batches-py/`` (50,000 train / 10,000 eval)."""
+    check_builtin_data_folder("cifar10", path)
+    folder = Path(path) / "cifar-10-batches-py"
     return (_read_cifar_batches(folder, CIFAR_TRAIN_FILES), _read_cifar_batches(folder, ("test_batch",)),
-            DataInfo(10, 3, 32))
+            image_info(10, 3, 32))
 
 
-def _imagefolder(cfg: DataSection):
-    root = Path(cfg.path)
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise ConfigError(f"config key data.path: {root} has no {split}/ folder; "
-                              "lay the images out as train/<class>/*.png and val/<class>/*.png")
+def imagefolder(path: str, image_size: int = 32):
+    """Images under ``path/train/<class>/`` and ``path/val/<class>/``, resized to ``image_size``."""
+    check_builtin_data_folder("imagefolder", path)
+    root = Path(path)
     datasets, transforms = _torchvision("imagefolder")
     tf = transforms.Compose([
-        transforms.Resize((cfg.image_size, cfg.image_size)),
+        transforms.Resize((image_size, image_size)),
         transforms.ToTensor(),
         transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
     ])
@@ -161,10 +157,4 @@ def _imagefolder(cfg: DataSection):
                           "lay the images out as train/<class>/*.png and val/<class>/*.png") from None
     if train.classes != val.classes:
         raise ConfigError(f"config key data.path: {root}/train and {root}/val have different class folders")
-    return train, val, DataInfo(len(train.classes), 3, cfg.image_size)
-
-
-def build_datasets(cfg: DataSection) -> tuple[Dataset, Dataset, DataInfo]:
-    """The train and eval sets named by ``data.name``."""
-    builders = {"digits": lambda c: _digits(), "synthetic": _synthetic, "cifar10": _cifar10, "imagefolder": _imagefolder}
-    return builders[cfg.name](cfg)
+    return train, val, image_info(len(train.classes), 3, image_size)

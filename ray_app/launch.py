@@ -3,8 +3,9 @@
 Driver side: connect to ``RAY_ADDRESS`` (or start a local Ray sized to the
 machine), check the cluster can hold the workers, build Scaling / Run /
 Failure / Checkpoint configs, run, and turn the result into the summary.
-Worker side: ``train_func`` builds the runtime, checkpointer and metrics sink
-the loop is given.
+Worker side: ``worker_main`` (train and eval) enters the user's project folder,
+builds the runtime, checkpointer and metrics sink the loop is given, and turns an
+exception in the user's code into one the driver shows once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ray_app.config import Config, config_from_dict
+from ray_app.config import Config, ConfigError, config_from_dict
 
 log = logging.getLogger("ray_app.launch")
 
@@ -59,9 +60,6 @@ class RayRuntime:
         return self._torch.prepare_model(model, parallel_strategy_kwargs={
             "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True})
 
-    def prepare_loader(self, loader):
-        return self._torch.prepare_data_loader(loader, add_dist_sampler=False, move_to_device=True)
-
     def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
         """Every rank calls this the same number of times (ray.train.report is a barrier)."""
         if local_dir is None:
@@ -92,13 +90,7 @@ def _quiet_report_log() -> None:
         pass
 
 
-def train_func(cfg_dict: dict, summaries=None) -> None:
-    """Entry point of every Ray Train worker. Rank 0 puts the final summary on ``summaries`` (a Ray queue)."""
-    from ray_app.checkpoint import Checkpointer
-    from ray_app.loop import Trainer
-    from ray_app.metrics import NullMetrics, PrometheusMetrics
-    from ray_app.storage import open_storage
-
+def _worker_logging() -> None:
     app_log = logging.getLogger("ray_app")
     if not app_log.handlers:
         handler = logging.StreamHandler(sys.stdout)
@@ -107,18 +99,85 @@ def train_func(cfg_dict: dict, summaries=None) -> None:
         app_log.setLevel(logging.INFO)
         app_log.propagate = False
     _quiet_report_log()
-    cfg = config_from_dict(cfg_dict)
-    storage = open_storage(cfg.run.storage)
-    runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
-    checkpointer = Checkpointer(storage, cfg.run.name, runtime.report, resume_from=cfg.run.resume_from,
+
+
+def enter_project(folder: str) -> None:
+    """Run the user's code as from the folder ray-app started in, where this node has it (a local run, or
+    a cluster whose nodes share it). Elsewhere the code comes with the job's working_dir or the image."""
+    from ray_app.plugins import add_project_to_path
+
+    if folder and os.path.isdir(folder):
+        os.chdir(folder)  # relative paths in the user's args mean what they mean on the user's command line
+        add_project_to_path(folder)
+
+
+def _train(cfg: Config, runtime: RayRuntime, stats) -> tuple[dict, object]:
+    from ray_app.checkpoint import Checkpointer
+    from ray_app.loop import Trainer, build_parts
+    from ray_app.metrics import NullMetrics, PrometheusMetrics
+
+    checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
+                                every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
                                 staged=cfg.checkpoint.upload == "async",
                                 warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     metrics = NullMetrics()
     if runtime.rank == 0 and cfg.metrics.enabled:
         metrics = PrometheusMetrics(cfg.metrics.port)
-    summary = Trainer(cfg, runtime, checkpointer, metrics).fit()
-    if summaries is not None and runtime.rank == 0:
-        summaries.put(summary)
+    parts = build_parts(cfg, runtime)
+    stats.mark("model_ready_unix")
+    trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats)
+    return trainer.fit(), trainer
+
+
+def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
+    """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
+    from ray_app.checkpoint import load_verified, resolve_checkpoint_uri
+    from ray_app.loop import Trainer, build_parts
+    from ray_app.metrics import NullMetrics
+
+    parts = build_parts(cfg, runtime)
+    storage, rel = resolve_checkpoint_uri(checkpoint)
+    loaded = load_verified(storage, rel, rank=None, model_only=True)
+    parts.module.load_state_dict(loaded.model)
+    trainer = Trainer(cfg, runtime, parts, checkpointer=None, metrics=NullMetrics(), stats=stats)
+    result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))
+    runtime.report(result)
+    return result, trainer
+
+
+def worker_main(job: dict, results=None) -> None:
+    """Entry point of every Ray Train worker, for ``train`` and ``eval``. Rank 0 puts its result on
+    ``results`` (a Ray queue on the driver's node).
+
+    An exception raised in the user's plug-in code is re-raised as a ``UserCodeError`` that carries its
+    traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
+    failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
+    """
+    from ray_app.loop import RunStats
+    from ray_app.plugins import UserCodeError, plugin_roots
+    from ray_app.storage import open_storage
+
+    stats = RunStats()
+    _worker_logging()
+    enter_project(job.get("project_dir", ""))
+    cfg = config_from_dict(job["config"])
+    runtime = RayRuntime(cfg.scaling.use_gpu, open_storage(cfg.run.storage), cfg.run.name, cfg.checkpoint.upload)
+    trainer = None
+    try:
+        if job["mode"] == "eval":
+            result, trainer = _eval(cfg, runtime, stats, job["checkpoint"])
+        else:
+            result, trainer = _train(cfg, runtime, stats)
+    except Exception as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        pos = getattr(trainer, "pos", None)
+        wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
+        if wrapped is None:
+            raise
+        raise wrapped from None
+    if results is not None and runtime.rank == 0:
+        results.put(result)
 
 
 # ---------------------------------------------------------------- driver side
@@ -185,9 +244,12 @@ LEAN_DROPPED_CALLBACKS = ("DatasetsCallback", "PlacementGroupCleanerCallback")
 
 @functools.cache
 def lean_trainer_class():
-    """``TorchTrainer`` without the callbacks in ``LEAN_DROPPED_CALLBACKS`` (built on first use: importing
-    ray.train.torch imports torch, which the CLI does not need for other commands)."""
+    """``TorchTrainer`` without the callbacks in ``LEAN_DROPPED_CALLBACKS`` and with the kit's failure policy
+    (``ray_app.failure_policy``). Built on first use: importing ray.train.torch imports torch, which the
+    CLI does not need for other commands."""
     from ray.train.torch import TorchTrainer
+
+    from ray_app.failure_policy import KitFailurePolicy
 
     class LeanTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
@@ -195,27 +257,31 @@ def lean_trainer_class():
             drop = set(LEAN_DROPPED_CALLBACKS) - ({"DatasetsCallback"} if self.datasets else set())
             return [cb for cb in callbacks if type(cb).__name__ not in drop]
 
+        def _initialize_and_run_controller(self, **kwargs):
+            kwargs["failure_policy"] = KitFailurePolicy(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**kwargs)
+
     if not callable(getattr(TorchTrainer, "_create_default_callbacks", None)):
         return TorchTrainer  # a Ray without this hook: its defaults, unchanged
     return LeanTorchTrainer
 
 
-def build_trainer(cfg: Config, storage, summaries=None):
+def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: str, fs=None):
+    """The one TorchTrainer of ``train`` and ``eval``: resources, backend, failure handling, logging."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    storage_path, fs = storage.ray_storage()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
     return lean_trainer_class()(
-        functools.partial(train_func, summaries=summaries),
-        train_loop_config=cfg.to_dict(),
+        functools.partial(worker_main, results=results),
+        train_loop_config=job,
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
         run_config=RunConfig(
-            name=cfg.run.name, storage_path=storage_path, storage_filesystem=fs,
+            name=run_name, storage_path=storage_path, storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's own INFO lines (every report, every rank) drown the progress lines
@@ -224,26 +290,57 @@ def build_trainer(cfg: Config, storage, summaries=None):
     )
 
 
-def preflight_run(cfg: Config):
-    """Everything that can be checked before a worker starts. Returns the storage.
+def validate_before_ray(cfg: Config) -> None:
+    """The plug-ins (import, attribute, arguments) and, where the driver shares the workers' files
+    (local Ray), the data folder. Torch is not imported for the built-ins."""
+    from ray_app.plugins import add_project_to_path, validate, validate_local_data
 
-    Torch is imported only to verify ``run.resume_from``: the model name is checked from names.
-    """
-    from ray_app.modelnames import validate_model_name
+    add_project_to_path(os.getcwd())
+    validate(cfg)
+    if not os.environ.get("RAY_ADDRESS"):
+        validate_local_data(cfg)
+
+
+def preflight_run(cfg: Config):
+    """Everything that can be checked before a worker starts. Returns the storage."""
     from ray_app.storage import StorageError, open_storage, preflight
 
-    validate_model_name(cfg.model.name)
+    validate_before_ray(cfg)
     storage = open_storage(cfg.run.storage)
     preflight(storage)
+    _check_resume(cfg, storage)
     if cfg.run.resume_from:
         from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
 
         try:
             rs, rel = resolve_checkpoint_uri(cfg.run.resume_from)
-            load_verified(rs, rel, rank=None, model_only=True)
+            loaded = load_verified(rs, rel, rank=None, model_only=True)
         except (CheckpointError, StorageError) as exc:
             raise UserError(f"config key run.resume_from: {exc}") from None
+        from ray_app.config import resume_conflicts
+
+        model_changes = [c for c in resume_conflicts(loaded.config, cfg) if c.startswith("model.")]
+        if model_changes:
+            raise UserError(f"config key run.resume_from: {loaded.uri} holds another model "
+                            f"({', '.join(model_changes)}); its weights cannot be loaded into this one")
     return storage
+
+
+def _check_resume(cfg: Config, storage) -> None:
+    """A run resumes only with the config its checkpoints depend on (config.RESUME_MUST_MATCH)."""
+    from ray_app.checkpoint import newest_committed_config
+    from ray_app.config import resume_conflicts
+
+    found = newest_committed_config(storage, cfg.run.name)
+    if found is None:
+        return
+    uri, saved = found
+    conflicts = resume_conflicts(saved, cfg)
+    if conflicts:
+        raise UserError(f"run {cfg.run.name} in {storage.uri('')} has checkpoints ({uri}) made with another "
+                        f"{'; '.join(conflicts)}: its checkpoints cannot continue with this config; use another "
+                        f"run.name for a new run (add run.resume_from={storage.uri(cfg.run.name)} to warm-start it "
+                        "from this one), or set these keys back")
 
 
 def driver_node_queue():
@@ -256,37 +353,69 @@ def driver_node_queue():
     return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
 
 
+def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) -> dict:
+    """Start Ray (or join it), run the worker group, return rank 0's result.
+
+    Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
+    resume that trains nothing, empty with checkpoints off or in eval. Rank 0 hands over its result
+    through a queue instead.
+    """
+    init_ray(cfg)
+    ray_ready = time.time()
+    import ray
+    from ray.train import TrainingFailedError
+
+    results = driver_node_queue()
+    job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd())
+    trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
+    try:
+        result = trainer.fit()
+        error = result.error
+    except TrainingFailedError as exc:
+        error = exc
+    final = None
+    while error is None and not results.empty():
+        final = results.get(timeout=30)
+    ray.shutdown()  # stop streaming worker logs so the summary really is the last line
+    if error is not None:
+        raise_worker_failure(error)
+    if final is None:
+        raise TrainingFailed("the workers finished but rank 0 returned no result")
+    return dict(final, ray_ready_unix=ray_ready)
+
+
+def raise_worker_failure(error) -> None:
+    """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1)."""
+    from ray_app.plugins import UserCodeError
+
+    failures = getattr(error, "worker_failures", None) or {}
+    by_rank = [failures[r] for r in sorted(failures)]
+    bad_input = [e for e in by_rank if isinstance(e, ConfigError)]
+    if bad_input:
+        raise UserError(str(bad_input[0]).strip().splitlines()[0])
+    user = [e for e in by_rank if isinstance(e, UserCodeError)]
+    if user:
+        sys.stderr.write(f"ray-app: rank {user[0].rank} raised in your code:\n{user[0].traceback_text}")
+        sys.stderr.flush()
+        raise TrainingFailed(f"{user[0].summary} (rank {user[0].rank}; traceback above)")
+    lines = [ln for ln in str(error).strip().splitlines() if ln.strip()]
+    raise TrainingFailed((lines[-1] if lines else type(error).__name__)[:500])
+
+
 def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
-    init_ray(cfg)
-    ray_ready = time.time()
-
-    # Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
-    # resume that trains nothing, empty with checkpoints off. Rank 0 hands over its summary instead.
-    summaries = driver_node_queue()
-    trainer = build_trainer(cfg, storage, summaries)
-    result = trainer.fit()
-    final = None
-    while result.error is None and not summaries.empty():
-        final = summaries.get(timeout=30)
-    import ray
-
-    ray.shutdown()  # stop streaming worker logs so the summary really is the last line
-    if result.error is not None:
-        raise TrainingFailed(str(result.error).strip().splitlines()[-1][:500])
-    m = final or result.metrics or {}
-    ckpt = m.get("checkpoint") or (storage.uri(cfg.run.name, Path(result.checkpoint.path).name)
-                                    if result.checkpoint else None)
+    storage_path, fs = storage.ray_storage()
+    m = launch(cfg, {"mode": "train"}, cfg.run.name, storage_path, fs)
     return {
         "run": cfg.run.name,
-        "checkpoint": ckpt,
+        "checkpoint": m.get("checkpoint"),
         "epochs": m.get("epochs", m.get("epoch")),
         "global_step": m.get("global_step"),
         "train_loss": m.get("train_loss"),
-        "eval_loss": m.get("eval_loss"),
-        "eval_accuracy": m.get("eval_accuracy"),
+        # every metric of the task (eval_loss, eval_accuracy for classification; eval_mse, eval_mae, ...)
+        **{k: v for k, v in m.items() if k.startswith("eval_")},
         "num_eval_samples": m.get("num_samples"),
         "train_seconds": m.get("train_seconds"),
         "wall_seconds": round(time.perf_counter() - t0, 2),
@@ -299,11 +428,10 @@ def run_training(cfg: Config) -> dict:
         # what the metrics exporter itself cost (absent with metrics off): calls + scrape CPU, scrapes
         **{k: m[k] for k in ("exporter_seconds", "exporter_scrapes") if k in m},
         # start-up timeline (unix seconds): driver start, Ray ready, worker entry, model ready, first step
-        "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": ray_ready,
+        "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
                      **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},
     }
 
 
 class TrainingFailed(RuntimeError):
     """Training failed after all retries (exit code 1)."""
-

@@ -1,6 +1,6 @@
-"""The per-worker DDP loop: train epoch, global loss, exact evaluation.
+"""The per-worker DDP loop: train epoch, global loss, exact evaluation, for any task.
 
-It reads like the practices it implements (see DESIGN.md):
+It reads like the practices it implements:
 
 1. every rank starts from identical parameters (seeded init, DDP's broadcast,
    and a check that they really are equal);
@@ -8,12 +8,15 @@ It reads like the practices it implements (see DESIGN.md):
 3. DDP averages gradients with its bucketed all-reduce during backward
    (skipped with ``no_sync`` on non-final gradient-accumulation micro-steps);
 4. the logged loss is the sample-weighted global mean over ranks;
-5. evaluation gathers predictions from all ranks and drops the sampler's
-   padded duplicates, so accuracy equals a single-process evaluation;
-6. only rank 0 prints and serves metrics.
+5. evaluation gathers every rank's per-sample values by the sampler's indices and
+   drops the padded duplicates, so each metric equals a single-process evaluation;
+6. rank 0 alone logs progress, writes checkpoints and serves metrics.
 
-Infrastructure arrives as small objects: ``runtime`` (topology, DDP wrapping,
-reporting), ``checkpointer`` and ``metrics``. No Ray, S3 or Prometheus here.
+What a batch means, the loss and the metrics come from the task (``ray_app.tasks``);
+the data, model and task are built by :func:`build_parts` from the config's plug-ins.
+Infrastructure arrives as small objects typed by the protocols below: a
+:class:`Runtime` (topology, DDP wrapping, Ray's report), a checkpointer and a
+:class:`MetricsSink`. No Ray, S3 or Prometheus here.
 """
 
 from __future__ import annotations
@@ -23,20 +26,56 @@ import math
 import random
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state, restore_rng_state
-from ray_app.config import Config
-from ray_app.data import build_datasets
-from ray_app.models import build_model
+from ray_app.config import Config, resume_conflicts
+from ray_app.plugins import PluginError, build_data, build_model, build_task
 
+# ---------------------------------------------------------------- the seams (real objects and test fakes)
+
+@runtime_checkable
+class Runtime(Protocol):
+    """Topology and the framework's calls, read in one place (``launch.RayRuntime`` in production)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: torch.nn.Module, bucket_cap_mb: int = 25) -> torch.nn.Module: ...
+
+    def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None: ...
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Where rank 0's numbers go (``metrics.PrometheusMetrics``; ``metrics.NullMetrics`` elsewhere)."""
+
+    def start(self, **info) -> None: ...
+
+    def on_step(self, step_seconds: float) -> None: ...
+
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None: ...
+
+    def on_eval(self, values: dict) -> None: ...
+
+    def on_checkpoint(self, *, blocked_seconds) -> None: ...
+
+    def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
+
+    def close(self) -> None: ...
+
+    def cost_summary(self) -> dict: ...
+
+
+# ---------------------------------------------------------------- small DDP pieces
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -90,26 +129,25 @@ def assert_identical_parameters(model: torch.nn.Module) -> None:
 
 def global_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
     """Practice 4: sample-weighted mean over all ranks (one all_reduce of [sum, n])."""
-    t = torch.stack([loss_sum.double(), count.double()])
+    t = torch.stack([torch.as_tensor(loss_sum).double(), torch.as_tensor(count, device=loss_sum.device).double()])
     dist.all_reduce(t)  # sync point: all ranks
     return (t[0] / t[1].clamp(min=1)).item()
 
 
-def gather_predictions(indices: torch.Tensor, preds: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor,
-                       world_size: int):
-    """Practice 5: all_gather (index, prediction, target, loss) from every rank, drop duplicates.
+def gather_eval_rows(indices: torch.Tensor, values: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Practice 5: all_gather (index, value columns...) from every rank, keep each index once.
 
     DistributedSampler pads the last round with repeated indices so every rank
-    gets the same count; keeping each dataset index once makes the global
-    metric equal a single-process evaluation exactly.
+    gets the same count; keeping each dataset index once makes every metric
+    equal a single-process evaluation exactly. Returns (indices, rows) in gather order.
     """
-    local = torch.stack([indices.double(), preds.double(), targets.double(), losses.double()], dim=1)
+    local = torch.cat([indices.double().unsqueeze(1), values.double()], dim=1)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local)  # sync point: all ranks
     rows = torch.cat(gathered).cpu()
     _, first = np.unique(rows[:, 0].numpy(), return_index=True)
     unique = rows[torch.from_numpy(np.sort(first))]
-    return unique[:, 0].long(), unique[:, 1].long(), unique[:, 2].long(), unique[:, 3]
+    return unique[:, 0].long(), unique[:, 1:]
 
 
 def lr_lambda(warmup_steps: int, total_steps: int):
@@ -122,110 +160,249 @@ def lr_lambda(warmup_steps: int, total_steps: int):
     return f
 
 
-class Trainer:
-    """One worker's view of a DDP run."""
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a batch (tensor, tuple, list, namedtuple, dict, nested) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
-    def __init__(self, cfg: Config, runtime, checkpointer, metrics):
-        self.cfg, self.rt, self.ckpt, self.metrics = cfg, runtime, checkpointer, metrics
+
+def first_dim(batch: Any) -> int:
+    """The batch size: the length of the first tensor found in the batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        n = first_dim(item)
+        if n:
+            return n
+    return 0
+
+
+# ---------------------------------------------------------------- building the parts
+
+@dataclass
+class Parts:
+    """Everything the loop trains with, built once per worker-group start."""
+
+    task: Any
+    model: torch.nn.Module  # DDP-wrapped
+    module: torch.nn.Module  # the user's module inside it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_sampler: ResumableDistributedSampler
+    train_loader: DataLoader
+    loader_gen: torch.Generator
+    eval_loader: DataLoader
+    eval_indices: torch.Tensor  # this rank's eval indices, in the order the eval loader yields them
+    eval_batch_sizes: list[int]
+    batches_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    param_keys: frozenset  # state-dict keys only an optimizer step changes (a staged checkpoint copies them later)
+
+
+def build_parts(cfg: Config, runtime: Runtime) -> Parts:
+    """Data, model, task, samplers, loaders, optimizer and LR schedule, in the order that keeps ranks equal."""
+    train_set, eval_set, info = build_data(cfg)
+    info = dict(info)
+    collate_fn = info.pop("collate_fn", None)  # a data plug-in may hand over its own
+    seed_everything(cfg.run.seed)  # practice 1: identical init on every rank
+    module = build_model(cfg, info).to(runtime.device)
+    model = runtime.prepare_model(module, bucket_cap_mb=cfg.train.bucket_cap_mb)
+    module = getattr(model, "module", model)
+    assert_identical_parameters(model)
+    seed_everything(cfg.run.seed * 1000 + runtime.rank)  # per-rank streams (dropout, augmentation)
+    task = build_task(cfg)
+
+    world, rank, bs = runtime.world_size, runtime.rank, cfg.data.batch_size
+    train_sampler = ResumableDistributedSampler(train_set, world, rank, shuffle=True, seed=cfg.run.seed, drop_last=False)
+    eval_sampler = DistributedSampler(eval_set, world, rank, shuffle=False, drop_last=False)
+    eval_indices = torch.tensor(list(iter(eval_sampler)))
+    loader_gen = torch.Generator()  # reseeded every epoch: never touches the global RNG
+    pin = runtime.device.type == "cuda"
+
+    def loader(dataset, sampler, generator):
+        return DataLoader(dataset, batch_size=bs, sampler=sampler, num_workers=cfg.data.loader_workers,
+                          pin_memory=pin, generator=generator, collate_fn=collate_fn,
+                          persistent_workers=cfg.data.loader_workers > 0)
+
+    batches_per_epoch = math.ceil(train_sampler.num_samples / bs)
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
+    # the LR schedule is planned for all epochs; train.max_steps only stops early
+    # (like a preemption), so a run stopped that way resumes onto the same schedule
+    total_steps = steps_per_epoch * cfg.train.epochs
+    optimizer, scheduler = build_optimizer(cfg, model, steps_per_epoch, total_steps)
+    n_eval = len(eval_indices)
+    return Parts(
+        task=task, model=model, module=module, optimizer=optimizer, scheduler=scheduler,
+        train_sampler=train_sampler, train_loader=loader(train_set, train_sampler, loader_gen), loader_gen=loader_gen,
+        # its own generator too: iterating a DataLoader draws a seed, and evaluation
+        # must not move the training RNG (or a resumed run would diverge)
+        eval_loader=loader(eval_set, eval_sampler, torch.Generator().manual_seed(cfg.run.seed)),
+        eval_indices=eval_indices, eval_batch_sizes=[min(bs, n_eval - i) for i in range(0, n_eval, bs)],
+        batches_per_epoch=batches_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)),
+    )
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, steps_per_epoch: int, total_steps: int):
+    t = cfg.train
+    if t.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    warmup = round(t.warmup_epochs * steps_per_epoch)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total_steps))
+
+
+def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
+    """After loading a checkpoint: the config's lr, weight decay and momentum win over the saved ones
+    (loading restores them; a resumed run may change them). Unchanged, this sets what was loaded."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.train.lr
+        group["weight_decay"] = cfg.train.weight_decay
+        if cfg.train.optimizer == "sgd":
+            group["momentum"] = cfg.train.momentum
+    scheduler.base_lrs = [cfg.train.lr for _ in optimizer.param_groups]
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+# ---------------------------------------------------------------- timing for summaries and benchmarks
+
+STEADY_SKIP_STEPS = 5  # warm-up steps left out of the steady-state throughput
+
+
+@dataclass
+class RunStats:
+    """Start-up timeline (unix seconds) and steady-state throughput of this worker-group start."""
+
+    timeline: dict = field(default_factory=lambda: {"worker_start_unix": time.time()})
+    steady_from_step: int = STEADY_SKIP_STEPS
+    steady_t0: float | None = None
+    steady_t1: float | None = None
+    steady_samples: int = 0
+    t_start: float = 0.0
+
+    def mark(self, name: str) -> None:
+        self.timeline.setdefault(name, time.time())
+
+    def start_training(self, global_step: int) -> None:
+        self.t_start = time.perf_counter()
+        self.steady_from_step = global_step + STEADY_SKIP_STEPS
+
+    def on_step(self, global_step: int, samples_per_step: int) -> None:
+        self.mark("first_step_unix")
+        if global_step == self.steady_from_step:
+            self.steady_t0 = time.perf_counter()
+        elif self.steady_t0 is not None:
+            self.steady_samples += samples_per_step
+            self.steady_t1 = time.perf_counter()
+
+    def steady_rate(self) -> float | None:
+        ok = self.steady_t1 and self.steady_t0 is not None and self.steady_t1 > self.steady_t0
+        return self.steady_samples / (self.steady_t1 - self.steady_t0) if ok else None
+
+    def train_seconds(self) -> float:
+        return time.perf_counter() - self.t_start
+
+
+@dataclass
+class _Interval:
+    """One logging interval's sums (this rank)."""
+
+    t0: float
+    step0: int
+    loss_sum: torch.Tensor
+    count: torch.Tensor
+    batches: int = 0
+
+
+# ---------------------------------------------------------------- the loop
+
+class Trainer:
+    """One worker's view of a DDP run: fit, epoch, step, evaluate."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, parts: Parts, checkpointer, metrics: MetricsSink,
+                 stats: RunStats | None = None):
+        self.cfg, self.rt, self.parts, self.ckpt, self.metrics = cfg, runtime, parts, checkpointer, metrics
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
-        self.is_rank0 = self.rank == 0  # the one predicate that decides who prints, writes and serves
+        self.is_rank0 = self.rank == 0  # the one predicate that decides who logs, writes and serves
+        self.task, self.model, self.module = parts.task, parts.model, parts.module
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.amp = cfg.train.amp and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16 needs no loss scaling; kept for fp16 parity
+        self.stats = stats or RunStats()
         self.pos = Position()
         self.resumed_from_step = 0
         self.resumed_checkpoint_unix = 0.0
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
+        self.epoch_loss = torch.zeros((), device=self.device)  # this epoch (this attempt), this rank
+        self.epoch_count = torch.zeros((), device=self.device)
+        self._loss_checked = False  # the task's outputs are checked against the contract once
+        self._eval_checked = False
 
-    # ------------------------------------------------------------ set-up
     def print0(self, msg: str) -> None:
         if self.is_rank0:
             print(msg, flush=True)
 
-    def build(self) -> None:
-        cfg = self.cfg
-        train_set, eval_set, self.data_info = build_datasets(cfg.data)
-        seed_everything(cfg.run.seed)  # practice 1: identical init on every rank
-        model = build_model(cfg.model.name, self.data_info).to(self.device)
-        self.model = self.rt.prepare_model(model, bucket_cap_mb=cfg.train.bucket_cap_mb)
-        self.module = getattr(self.model, "module", self.model)
-        # state-dict keys only an optimizer step changes (a staged checkpoint copies them in the background)
-        self.param_keys = frozenset(n for n, _ in self.module.named_parameters(remove_duplicate=False))
-        assert_identical_parameters(self.model)
-        seed_everything(cfg.run.seed * 1000 + self.rank)  # per-rank streams (dropout, augmentation)
-
-        self.train_sampler = ResumableDistributedSampler(train_set, self.world_size, self.rank, shuffle=True,
-                                                         seed=cfg.run.seed, drop_last=False)
-        self.eval_sampler = DistributedSampler(eval_set, self.world_size, self.rank, shuffle=False, drop_last=False)
-        self.eval_indices = torch.tensor(list(iter(self.eval_sampler)))
-        self.loader_gen = torch.Generator()  # reseeded every epoch: never touches the global RNG
-        self.train_loader = self._loader(train_set, self.train_sampler, self.loader_gen)
-        # its own generator too: iterating a DataLoader draws a seed, and evaluation
-        # must not move the training RNG (or a resumed run would diverge)
-        self.eval_loader = self._loader(eval_set, self.eval_sampler, torch.Generator().manual_seed(cfg.run.seed))
-        self.batches_per_epoch = math.ceil(self.train_sampler.num_samples / cfg.data.batch_size)
-        self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.train.grad_accum)
-        # the LR schedule is planned for all epochs; train.max_steps only stops early
-        # (like a preemption), so a run stopped that way resumes onto the same schedule
-        self.total_steps = self.steps_per_epoch * cfg.train.epochs
-        self._build_optimizer()
-
-    def _loader(self, dataset, sampler, generator) -> DataLoader:
-        cfg = self.cfg.data
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.loader_workers,
-                            pin_memory=self.device.type == "cuda", generator=generator,
-                            persistent_workers=cfg.loader_workers > 0)
-        return self.rt.prepare_loader(loader)
-
-    def _build_optimizer(self) -> None:
-        t = self.cfg.train
-        params = self.model.parameters()
-        if t.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-        warmup = round(t.warmup_epochs * self.steps_per_epoch)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(warmup, self.total_steps))
-        self.amp = t.amp and self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16 needs no loss scaling; kept for fp16 parity
-
+    # ------------------------------------------------------------ resume
     def restore(self) -> None:
         loaded = self.ckpt.restore(self.rank)
         if loaded is None:
             return
-        self.module.load_state_dict(loaded.model)
+        conflicts = resume_conflicts(loaded.config, self.cfg)
+        if conflicts and not self.ckpt.warm_start:
+            raise PluginError(f"checkpoint {loaded.uri} was made with another {', '.join(conflicts)}; "
+                              "use another run.name (or run.resume_from to warm-start)")
+        try:
+            self.module.load_state_dict(loaded.model)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0][:300]
+            raise PluginError(f"checkpoint {loaded.uri} does not fit model.name={self.cfg.model.name} ({first}); "
+                              "use another run.name for a changed model") from None
+        if conflicts:  # a warm start from another run's checkpoint: its weights, a fresh start otherwise
+            self.print0(f"warm start from {loaded.uri}: model weights only (it differs in {', '.join(conflicts)})")
+            return
         self.optimizer.load_state_dict(loaded.optimizer)
         if loaded.scheduler:
             self.scheduler.load_state_dict(loaded.scheduler)
         if loaded.scaler:
             self.scaler.load_state_dict(loaded.scaler)
+        apply_hyperparameters(self.cfg, self.optimizer, self.scheduler)
         s = loaded.state
         self.pos = Position(s["epoch"], s["batches_done"], s["global_step"])
         if loaded.rng is not None:
             restore_rng_state(loaded.rng)
         self.resumed_from_step = self.pos.global_step
         self.resumed_checkpoint_unix = loaded.created
-        self.last_eval = loaded.state.get("last_eval", {})
+        self.last_eval = s.get("last_eval", {})
         self.print0(f"resumed from {loaded.uri} at epoch {self.pos.epoch} batch {self.pos.batches_done} "
                     f"step {self.pos.global_step}")
 
     # ------------------------------------------------------------ training
     def fit(self) -> dict:
-        self.timeline = {"worker_start_unix": time.time()}  # where start-up time goes (benchmarks read it)
-        self.build()
-        self.timeline["model_ready_unix"] = time.time()
         self.restore()
         self._announce()
-        self.t_start = time.perf_counter()
-        self.samples_seen = 0
-        self.ckpt_blocked_seconds, self.checkpoints_written, self._ckpt_pending_blocked = 0.0, 0, None
-        self._steady = _Steady(first_step=self.pos.global_step + STEADY_SKIP_STEPS)
+        self.stats.start_training(self.pos.global_step)
         while self.pos.epoch < self.cfg.train.epochs and not self._done():
             self.train_epoch(self.pos.epoch)
         self.last_eval = self.evaluate()
         summary = self._final_metrics()
         self._final_checkpoint(summary)
-        self._settle_checkpoint()
-        summary.update(checkpoint_blocked_seconds=round(self.ckpt_blocked_seconds, 4),
-                       checkpoints_written=self.checkpoints_written, **self.metrics.cost_summary())
+        self._account(self.ckpt.settle())
+        summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
+                       checkpoints_written=self.ckpt.written, **self.metrics.cost_summary())
         self.metrics.close()
         return summary
 
@@ -240,35 +417,36 @@ class Trainer:
             ip = "unknown"
         # every rank says where it runs (one line each: the e2e tests check ranks land on different nodes)
         print(f"rank {self.rank}/{self.world_size} on host {host} ip {ip} device {self.device}", flush=True)
-        self.print0(f"run {self.cfg.run.name}: {self.cfg.model.name} on {self.cfg.data.name}, "
-                    f"{self.steps_per_epoch} steps/epoch x {self.cfg.train.epochs} epochs, world size {self.world_size}")
-        self.metrics.start(run=self.cfg.run.name, model=self.cfg.model.name, dataset=self.cfg.data.name,
+        c = self.cfg
+        self.print0(f"run {c.run.name}: {c.model.name} on {c.data.name}, task {c.task.name}, "
+                    f"{self.parts.steps_per_epoch} steps/epoch x {c.train.epochs} epochs, world size {self.world_size}")
+        self.metrics.start(run=c.run.name, model=c.model.name, dataset=c.data.name, task=c.task.name,
                            version=__version__, world_size=self.world_size, resumed_from_step=self.resumed_from_step,
                            global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda",
                            last_checkpoint_unix=self.resumed_checkpoint_unix)
 
+    def _new_interval(self) -> _Interval:
+        zero = torch.zeros((), device=self.device)
+        return _Interval(time.perf_counter(), self.pos.global_step, zero, zero.clone())
+
     def train_epoch(self, epoch: int) -> None:
-        cfg, accum = self.cfg, self.cfg.train.grad_accum
+        cfg, parts, accum = self.cfg, self.parts, self.cfg.train.grad_accum
         self.model.train()
-        self.train_sampler.set_epoch(epoch)  # practice 2: a new order every epoch
-        self.train_sampler.set_start_batch(self.pos.batches_done, cfg.data.batch_size)
-        self.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + epoch)
-        loss_sum = torch.zeros((), device=self.device)  # this logging interval
-        count = torch.zeros((), device=self.device)
-        self.epoch_loss = torch.zeros((), device=self.device)  # this epoch (this attempt)
-        self.epoch_count = torch.zeros((), device=self.device)
-        self.interval_batches = 0
-        interval = _Interval(time.perf_counter(), self.pos.global_step)
+        parts.train_sampler.set_epoch(epoch)  # practice 2: a new order every epoch
+        parts.train_sampler.set_start_batch(self.pos.batches_done, cfg.data.batch_size)
+        parts.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + epoch)
+        self.epoch_loss.zero_(), self.epoch_count.zero_()
+        interval = self._new_interval()
         step_t0 = time.perf_counter()
-        for x, y in self.train_loader:
+        for batch in parts.train_loader:
             b = self.pos.batches_done
             group_start = b - b % accum
-            group_size = min(accum, self.batches_per_epoch - group_start)
+            group_size = min(accum, parts.batches_per_epoch - group_start)
             last_micro = (b - group_start + 1) == group_size
-            loss = self._forward_backward(x, y, group_size, sync=last_micro)
-            loss_sum += loss.detach() * y.shape[0]
-            count += y.shape[0]
-            self.interval_batches += 1
+            loss, n = self._forward_backward(to_device(batch, self.device), group_size, sync=last_micro)
+            interval.loss_sum += loss.detach() * n
+            interval.count += n
+            interval.batches += 1
             self.pos.batches_done += 1
             if not last_micro:
                 continue
@@ -277,71 +455,79 @@ class Trainer:
             self.metrics.on_step(now - step_t0)
             step_t0 = now
             if self.pos.global_step % cfg.train.log_every_steps == 0:
-                self._log_progress(interval, loss_sum, count)
-                self.epoch_loss += loss_sum
-                self.epoch_count += count
-                loss_sum.zero_(), count.zero_()
-                self.interval_batches = 0
-                interval = _Interval(time.perf_counter(), self.pos.global_step)
-            if cfg.checkpoint.every_steps and self.pos.global_step % cfg.checkpoint.every_steps == 0 \
-                    and self.pos.batches_done < self.batches_per_epoch and not self._done():
+                self._log_progress(interval)
+                interval = self._new_interval()
+            if self.ckpt.step_due(self.pos, parts.batches_per_epoch) and not self._done():
                 self.checkpoint()
             if self._done():
                 break
-        if self.pos.batches_done >= self.batches_per_epoch:
-            self._end_epoch(interval, loss_sum, count)
+        if self.pos.batches_done >= parts.batches_per_epoch:
+            self._end_epoch(interval)
 
-    def _forward_backward(self, x, y, group_size: int, sync: bool) -> torch.Tensor:
+    def _forward_backward(self, batch, group_size: int, sync: bool):
         # practice 3: DDP all-reduces gradients during backward; on non-final
         # micro-steps no_sync() skips that all-reduce (gradients accumulate locally)
         ctx = contextlib.nullcontext() if sync or not hasattr(self.model, "no_sync") else self.model.no_sync()
         with ctx:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                loss = F.cross_entropy(self.model(x), y)
+                loss, n = self._task_loss(batch)
             (loss / group_size).backward()
-        return loss
+        return loss, n
+
+    def _task_loss(self, batch):
+        out = self.task.loss(self.model, batch)
+        loss, n = (out, first_dim(batch)) if isinstance(out, torch.Tensor) else (out if isinstance(out, (tuple, list))
+                                                                                 and len(out) == 2 else (out, None))
+        if not self._loss_checked:
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                raise PluginError(f"config key task.name: {self.cfg.task.name}.loss(model, batch) returned "
+                                  f"{_describe(out)}; it must return (mean_loss, num_samples) with mean_loss a "
+                                  "scalar tensor that requires grad")
+            if not isinstance(n, (int, torch.Tensor)) or isinstance(n, bool) or int(n) <= 0:
+                raise PluginError(f"config key task.name: {self.cfg.task.name}.loss returned num_samples={n!r}; "
+                                  "it must be a positive int (the samples the mean is over)")
+            self._loss_checked = True
+        return loss.reshape(()), n
 
     def _optimizer_step(self) -> None:
-        self._settle_checkpoint()  # a staged snapshot is still copying what step() changes
+        self._account(self.ckpt.settle())  # a staged snapshot is still copying what step() changes
         if self.cfg.train.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.pos.global_step += 1
-        if "first_step_unix" not in self.timeline:
-            self.timeline["first_step_unix"] = time.time()
-        self._steady.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
+        self.stats.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
 
-    def _log_progress(self, interval: "_Interval", loss_sum, count) -> None:
-        loss = global_mean(loss_sum, count)  # collective: every rank calls it at the same step
+    def _log_progress(self, interval: _Interval) -> None:
+        loss = global_mean(interval.loss_sum, interval.count)  # collective: every rank calls it at the same step
+        self.epoch_loss += interval.loss_sum
+        self.epoch_count += interval.count
         dt = time.perf_counter() - interval.t0
-        samples = int(count.item()) * self.world_size  # approximately: ranks see equal counts
+        samples = int(interval.count.item()) * self.world_size  # approximately: ranks see equal counts
         sps = samples / dt if dt > 0 else 0.0
         steps = self.pos.global_step - interval.step0
-        eta = (self.total_steps - self.pos.global_step) * dt / max(steps, 1)
+        eta = (self.parts.total_steps - self.pos.global_step) * dt / max(steps, 1)
         lr = self.scheduler.get_last_lr()[0]
-        self.samples_seen += samples
         self.metrics.on_progress(epoch=self.pos.epoch, global_step=self.pos.global_step, lr=lr, train_loss=loss,
                                  samples=samples, samples_per_second=sps)
         if self.device.type == "cuda":
             self.metrics.on_gpu_memory(allocated=torch.cuda.memory_allocated(),
                                        max_allocated=torch.cuda.max_memory_allocated())
-        self.print0(f"epoch {self.pos.epoch} step {self.pos.global_step}/{self.total_steps} "
+        self.print0(f"epoch {self.pos.epoch} step {self.pos.global_step}/{self.parts.total_steps} "
                     f"loss {loss:.4f} lr {lr:.4g} {sps:,.0f} samples/s eta {_fmt_eta(eta)}")
 
-    def _end_epoch(self, interval, loss_sum, count) -> None:
+    def _end_epoch(self, interval: _Interval) -> None:
         # every rank has the same number of batches (the sampler pads), so this branch is collective-safe
-        if self.interval_batches:
-            self._log_progress(interval, loss_sum, count)
-        self.last_train_loss = global_mean(self.epoch_loss + loss_sum, self.epoch_count + count)
+        if interval.batches:
+            self._log_progress(interval)
+        self.last_train_loss = global_mean(self.epoch_loss, self.epoch_count)
         self.last_eval = self.evaluate()
-        self.print0(f"epoch {self.pos.epoch} done: train loss {self.last_train_loss:.4f} "
-                    f"eval loss {self.last_eval['eval_loss']:.4f} eval accuracy {self.last_eval['eval_accuracy']:.4f}")
+        shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items() if k.startswith("eval_"))
+        self.print0(f"epoch {self.pos.epoch} done: train loss {self.last_train_loss:.4f} {shown}")
         self.pos.epoch += 1
         self.pos.batches_done = 0
-        every = self.cfg.checkpoint.every_epochs
-        if every and self.pos.epoch % every == 0 and self.pos.epoch < self.cfg.train.epochs and not self._done():
+        if self.ckpt.epoch_due(self.pos.epoch, self.cfg.train.epochs) and not self._done():
             self.checkpoint()
         else:
             self.rt.report(self._metrics_dict())  # one report per epoch on every rank (Ray's barrier)
@@ -349,23 +535,44 @@ class Trainer:
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Practice 5: exact global accuracy and loss over the distinct eval samples."""
+        """Practice 5: every metric of the task, exact over the distinct eval samples of all ranks."""
         self.model.eval()
-        preds, targets, losses = [], [], []
-        for x, y in self.eval_loader:
+        names, columns = None, []
+        for i, batch in enumerate(self.parts.eval_loader):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                logits = self.model(x)
-            losses.append(F.cross_entropy(logits.float(), y, reduction="none"))
-            preds.append(logits.argmax(dim=1))
-            targets.append(y)
-        dev = self.device
-        idx, p, t, loss = gather_predictions(self.eval_indices.to(dev), torch.cat(preds), torch.cat(targets),
-                                             torch.cat(losses), self.world_size)
+                values = self.task.evaluate(self.model, to_device(batch, self.device))
+            names = names or self._check_eval_names(values)
+            columns.append(self._eval_columns(values, names, self.parts.eval_batch_sizes[i]))
+        idx, rows = gather_eval_rows(self.parts.eval_indices.to(self.device), torch.cat(columns), self.world_size)
         self.model.train()
-        result = {"eval_accuracy": (p == t).double().mean().item(), "eval_loss": loss.mean().item(),
-                  "num_samples": int(idx.numel())}
-        self.metrics.on_eval(eval_loss=result["eval_loss"], eval_accuracy=result["eval_accuracy"])
-        return result
+        means = {name: rows[:, j].mean().item() for j, name in enumerate(names)}
+        summarize = getattr(self.task, "summarize", None)
+        if callable(summarize):
+            means.update({k: float(v) for k, v in summarize(dict(means)).items()})
+        self.metrics.on_eval(dict(means))
+        return {**{f"eval_{k}": v for k, v in means.items()}, "num_samples": int(idx.numel())}
+
+    def _check_eval_names(self, values) -> list[str]:
+        if not isinstance(values, dict) or not values:
+            raise PluginError(f"config key task.name: {self.cfg.task.name}.evaluate(model, batch) returned "
+                              f"{_describe(values)}; it must return {{name: per-sample tensor of shape [B]}}")
+        bad = [k for k in values if not (isinstance(k, str) and k.isidentifier() and k == k.lower())]
+        if bad:
+            raise PluginError(f"config key task.name: {self.cfg.task.name}.evaluate returned the metric name "
+                              f"{bad[0]!r}; use lower-case names such as 'accuracy' (reported as eval_<name>)")
+        return list(values)
+
+    def _eval_columns(self, values: dict, names: list[str], batch_size: int) -> torch.Tensor:
+        if list(values) != names:
+            raise PluginError(f"config key task.name: {self.cfg.task.name}.evaluate returned {sorted(values)} for "
+                              f"one batch and {sorted(names)} for another; return the same metrics for every batch")
+        for name, v in values.items():
+            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.shape[0] != batch_size:
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise PluginError(f"config key task.name: {self.cfg.task.name}.evaluate returned {name!r} of shape "
+                                  f"{shape}; each value must be a per-sample tensor of shape [{batch_size}] "
+                                  "(the batch's size)")
+        return torch.stack([values[n].double() for n in names], dim=1)
 
     # ------------------------------------------------------------ checkpoints
     def _metrics_dict(self) -> dict:
@@ -376,6 +583,7 @@ class Trainer:
         """Every rank calls this at the same point (RNG gather + Ray's report are collectives)."""
         rng_all = [None] * self.world_size
         dist.all_gather_object(rng_all, capture_rng_state())  # sync point: each rank's RNG goes to rank 0
+        metrics = dict(self._metrics_dict(), **(metrics or {}))
         payload = None
         if self.is_rank0:
             payload = CheckpointPayload(
@@ -384,62 +592,33 @@ class Trainer:
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
                        "last_eval": self.last_eval},
-                config=self.cfg.to_dict(), metrics=dict(self._metrics_dict(), **(metrics or {})),
+                config=self.cfg.to_dict(), metrics=metrics,
             )
-        blocked = self.ckpt.save(payload, dict(self._metrics_dict(), **(metrics or {})), is_writer=self.is_rank0,
-                                 param_keys=self.param_keys)
-        self._ckpt_pending_blocked = blocked
-        if not self.ckpt.staged:
-            self._settle_checkpoint()
+        self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys))
 
-    def _settle_checkpoint(self) -> None:
-        """Account a checkpoint's blocked time once its snapshot (if staged) is complete."""
-        if self._ckpt_pending_blocked is None:
-            return
-        blocked = self._ckpt_pending_blocked + self.ckpt.settle()
-        self._ckpt_pending_blocked = None
-        self.ckpt_blocked_seconds += blocked
-        self.checkpoints_written += 1
-        self.metrics.on_checkpoint(blocked_seconds=blocked)
+    def _account(self, blocked: float | None) -> None:
+        if blocked is not None:
+            self.metrics.on_checkpoint(blocked_seconds=blocked)
 
     def _final_metrics(self) -> dict:
-        return {**self._metrics_dict(), "epochs": self.pos.epoch, "train_seconds": time.perf_counter() - self.t_start,
-                "steady_samples_per_second": self._steady.rate(), **self.timeline}
+        return {**self._metrics_dict(), "epochs": self.pos.epoch, "train_seconds": self.stats.train_seconds(),
+                "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
 
     def _final_checkpoint(self, summary: dict) -> None:
         """Always end on a committed checkpoint (unless checkpoints are off or nothing new was trained)."""
-        trained = self.pos.global_step > self.resumed_from_step or self.ckpt.last_uri is None
-        if trained and (self.cfg.checkpoint.every_epochs or self.cfg.checkpoint.every_steps):
+        if self.ckpt.final_due(self.pos.global_step, self.resumed_from_step):
             self.checkpoint(summary)
         else:
             self.rt.report(dict(summary, checkpoint=self.ckpt.last_uri))
         summary["checkpoint"] = self.ckpt.last_uri
 
 
-STEADY_SKIP_STEPS = 5  # warm-up steps left out of the steady-state throughput
-
-
-class _Steady:
-    """Global samples/s from the STEADY_SKIP_STEPS-th step of this attempt on (rank 0's clock)."""
-
-    def __init__(self, first_step: int):
-        self.first_step, self.t0, self.samples, self.t1 = first_step, None, 0, None
-
-    def on_step(self, step: int, samples_per_step: int) -> None:
-        if step == self.first_step:
-            self.t0 = time.perf_counter()
-        elif self.t0 is not None:
-            self.samples += samples_per_step
-            self.t1 = time.perf_counter()
-
-    def rate(self) -> float | None:
-        return self.samples / (self.t1 - self.t0) if self.t1 and self.t1 > self.t0 else None
-
-
-@dataclass
-class _Interval:
-    t0: float
-    step0: int
+def _describe(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {tuple(obj.shape)}"
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)} items"
+    return f"a {type(obj).__name__}"
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -5,6 +5,13 @@ prometheus_client. Each exporter uses its own ``CollectorRegistry`` so a new
 worker group (after a restart) never trips over "Duplicated timeseries".
 The names below are the contract: README, alert rules and the Grafana
 dashboard use only these.
+
+Evaluation: a task reports any number of metrics by name (``loss``,
+``accuracy``, ``mse``, ``perplexity``, a user task's own names); each one is
+the series ``ray_app_eval_metric{name="<name>"}``. ``ray_app_eval_loss`` and
+``ray_app_eval_accuracy`` stay, set when the task reports ``loss`` /
+``accuracy`` (NaN otherwise), so dashboards and rules written against them
+keep working.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger("ray_app.metrics")
@@ -25,7 +33,7 @@ CKPT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 
 # name -> (type, help). Histograms and counters expose the usual suffixes.
 METRICS = {
-    "ray_app_info": ("gauge", "Run information; value is always 1."),
+    "ray_app_info": ("gauge", "Run information (labels run, model, dataset, task, version); value is always 1."),
     "ray_app_train_loss": ("gauge", "Training loss, sample-weighted global mean over all ranks, last logging interval."),
     "ray_app_samples_processed_total": ("counter", "Training samples processed by all ranks."),
     "ray_app_samples_per_second": ("gauge", "Global training throughput over the last logging interval."),
@@ -33,8 +41,9 @@ METRICS = {
     "ray_app_epoch": ("gauge", "Current epoch (0-based)."),
     "ray_app_global_step": ("gauge", "Optimizer steps taken since the run started."),
     "ray_app_learning_rate": ("gauge", "Current learning rate."),
-    "ray_app_eval_loss": ("gauge", "Loss on the evaluation set (exact, all ranks gathered)."),
-    "ray_app_eval_accuracy": ("gauge", "Accuracy on the evaluation set (exact, all ranks gathered)."),
+    "ray_app_eval_metric": ("gauge", "Eval metric the task reports, by label name (loss, mse, ...): mean over the distinct eval samples of all ranks."),
+    "ray_app_eval_loss": ("gauge", "Eval loss (exact, all ranks gathered): ray_app_eval_metric{name=\"loss\"}; NaN if the task reports no loss."),
+    "ray_app_eval_accuracy": ("gauge", "Eval accuracy (exact, all ranks gathered): ray_app_eval_metric{name=\"accuracy\"}; NaN if the task reports none."),
     "ray_app_checkpoint_blocked_seconds": ("histogram", "Time training was blocked by writing a checkpoint."),
     "ray_app_last_checkpoint_timestamp_seconds": ("gauge", "Unix time of the last checkpoint handed to storage."),
     "ray_app_world_size": ("gauge", "Number of training workers."),
@@ -43,6 +52,10 @@ METRICS = {
     "ray_app_gpu_memory_allocated_bytes": ("gauge", "CUDA memory allocated by rank 0 (GPU runs only)."),
     "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
 }
+
+# The single-metric eval gauges from before tasks named their metrics: the task's
+# metric name -> the gauge that repeats ray_app_eval_metric{name=...} for it.
+LEGACY_EVAL_GAUGES = {"loss": "ray_app_eval_loss", "accuracy": "ray_app_eval_accuracy"}
 
 
 # Discovery for the cluster of containers (docs/metrics.md): when this is set,
@@ -96,10 +109,13 @@ class NullMetrics:
 
     serving_port = None
 
-    def start(self, **info) -> None: ...
+    # The same signatures as PrometheusMetrics (a unit test compares them), so a
+    # call the exporter would reject fails on every rank, not only on rank 0.
+    def start(self, *, run, model, dataset, task, version, world_size, resumed_from_step, global_step=0, epoch=0,
+              use_gpu=False, last_checkpoint_unix=0.0) -> None: ...
     def on_step(self, step_seconds: float) -> None: ...
     def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None: ...
-    def on_eval(self, *, eval_loss, eval_accuracy) -> None: ...
+    def on_eval(self, values: Mapping[str, float]) -> None: ...
     def on_checkpoint(self, *, blocked_seconds) -> None: ...
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
     def close(self) -> None: ...
@@ -164,7 +180,7 @@ class PrometheusMetrics(NullMetrics):
         self.serving_port = None
         h = {k: v[1] for k, v in METRICS.items()}
         g = lambda name, labels=(): Gauge(name, h[name], labels, registry=reg)  # noqa: E731
-        self.info = g("ray_app_info", ("run", "model", "dataset", "version"))
+        self.info = g("ray_app_info", ("run", "model", "dataset", "task", "version"))
         self.train_loss = g("ray_app_train_loss")
         self.samples = Counter("ray_app_samples_processed", h["ray_app_samples_processed_total"], registry=reg)
         self.samples_per_second = g("ray_app_samples_per_second")
@@ -172,11 +188,13 @@ class PrometheusMetrics(NullMetrics):
         self.epoch = g("ray_app_epoch")
         self.global_step = g("ray_app_global_step")
         self.lr = g("ray_app_learning_rate")
-        self.eval_loss = g("ray_app_eval_loss")
-        self.eval_accuracy = g("ray_app_eval_accuracy")
-        # NaN until this worker group's first eval: dashboards show a gap, not a fake 0% accuracy.
-        self.eval_loss.set(float("nan"))
-        self.eval_accuracy.set(float("nan"))
+        # One series per metric name the task reports; none before this worker group's first eval.
+        self.eval_metric = g("ray_app_eval_metric", ("name",))
+        # NaN until the first eval (and for good if the task reports no such metric):
+        # dashboards show a gap, not a fake 0% accuracy.
+        self.legacy_eval = {name: g(gauge) for name, gauge in LEGACY_EVAL_GAUGES.items()}
+        for gauge in self.legacy_eval.values():
+            gauge.set(float("nan"))
         self.ckpt_blocked = Histogram(
             "ray_app_checkpoint_blocked_seconds", h["ray_app_checkpoint_blocked_seconds"], buckets=CKPT_BUCKETS, registry=reg
         )
@@ -187,9 +205,10 @@ class PrometheusMetrics(NullMetrics):
         self.gpu_alloc = g("ray_app_gpu_memory_allocated_bytes")
         self.gpu_max = g("ray_app_gpu_memory_max_allocated_bytes")
 
-    def start(self, *, run, model, dataset, version, world_size, resumed_from_step, global_step=0, epoch=0, use_gpu=False,
-              last_checkpoint_unix=0.0):
-        self.info.labels(run=run, model=model, dataset=dataset, version=version).set(1)
+    def start(self, *, run, model, dataset, task, version, world_size, resumed_from_step, global_step=0, epoch=0,
+              use_gpu=False, last_checkpoint_unix=0.0) -> None:
+        # model / dataset / task are config names or import paths ("acme.model:Net"): any string is a label value.
+        self.info.labels(run=run, model=model, dataset=dataset, task=task, version=version).set(1)
         if last_checkpoint_unix:  # after a resume, checkpoint age counts from the checkpoint resumed from
             self.last_ckpt.set(last_checkpoint_unix)
         self.world_size.set(world_size)
@@ -250,9 +269,13 @@ class PrometheusMetrics(NullMetrics):
         self.samples_per_second.set(samples_per_second)
 
     @_timed
-    def on_eval(self, *, eval_loss, eval_accuracy) -> None:
-        self.eval_loss.set(eval_loss)
-        self.eval_accuracy.set(eval_accuracy)
+    def on_eval(self, values: Mapping[str, float]) -> None:
+        """``values``: {metric name: mean over the distinct eval samples}, names without the ``eval_`` prefix."""
+        for name, value in values.items():
+            value = float(value)
+            self.eval_metric.labels(name=name).set(value)
+            if name in self.legacy_eval:
+                self.legacy_eval[name].set(value)
 
     @_timed
     def on_checkpoint(self, *, blocked_seconds) -> None:

@@ -1,4 +1,4 @@
-"""Model names, checked without importing torch.
+"""torchvision's classifier names, known without importing torch.
 
 The driver checks ``model.name`` before it starts Ray; importing torch and torchvision for that would cost
 it ~2 s of one core ahead of everything else. torchvision's classifiers are the functions its
@@ -13,10 +13,6 @@ import functools
 import importlib.util
 import re
 from pathlib import Path
-
-from ray_app.config import ConfigError
-
-BUILTIN = ("digits_cnn", "mlp", "wide_mlp")
 
 # @register_model() or @register_model(name="x"), then (other decorators) the def it names
 _REGISTERED = re.compile(r"@register_model\(\s*(?:name\s*=\s*)?(?:[\"'](\w+)[\"'])?\s*\)(?:.|\n)*?\ndef\s+(\w+)")
@@ -42,19 +38,13 @@ def torchvision_classifiers() -> frozenset[str]:
     return frozenset(names)
 
 
-def _asked_torchvision(name: str) -> frozenset[str]:
-    try:
-        import torchvision
-    except Exception:
-        raise ConfigError(f"config key model.name={name}: needs torchvision; use {', '.join(BUILTIN)}") from None
-    return frozenset(torchvision.models.list_models(module=torchvision.models))
-
-
-def validate_model_name(name: str) -> None:
-    """Cheap check at config time (no model is built, torch is not imported)."""
-    if name in BUILTIN:
-        return
-    known = torchvision_classifiers() or _asked_torchvision(name)
-    if name not in known:
-        raise ConfigError(f"config key model.name: unknown model {name!r}; use {', '.join(BUILTIN)} "
-                          "or a torchvision classifier such as resnet18")
+def is_torchvision_classifier(name: str) -> bool:
+    """Whether ``name`` is one of torchvision's classifiers (read from its sources; else ask it)."""
+    known = torchvision_classifiers()
+    if not known:
+        try:
+            import torchvision
+        except Exception:
+            return False
+        known = frozenset(torchvision.models.list_models(module=torchvision.models))
+    return name in known

@@ -1,60 +1,58 @@
-"""Model factory: small built-in models and torchvision classifiers (random init)."""
+"""Built-in models, plug-ins like any other (``model.name: digits_cnn`` = ``ray_app.models:DigitsCNN``).
+
+Each takes what it needs from the data's info by parameter name (``channels``, ``num_classes``,
+``image_size``) and the rest from ``model.args``. torchvision classifiers (``resnet18``, ...) are
+built with random weights.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ray_app.config import ConfigError
-from ray_app.data import DataInfo
-from ray_app.modelnames import BUILTIN, validate_model_name  # noqa: F401 -- names checked without torch
-
 
 class DigitsCNN(nn.Module):
     """Two conv layers and a classifier; ~99% on digits in a few epochs."""
 
-    def __init__(self, channels: int, num_classes: int, image_size: int):
+    def __init__(self, channels: int, num_classes: int, image_size: int, width: int = 32, dropout: float = 0.1):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
             nn.AdaptiveAvgPool2d(4),
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(64 * 16, 128), nn.ReLU(),
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * width * 16, 128), nn.ReLU(),
                                         nn.Linear(128, num_classes))
 
     def forward(self, x):
         return self.classifier(self.features(x))
 
 
-def _mlp(info: DataInfo, hidden: int, depth: int) -> nn.Module:
+def mlp(channels: int, image_size: int, num_classes: int, hidden: int = 256, depth: int = 2) -> nn.Module:
+    """Flatten, ``depth`` hidden layers of ``hidden`` units with ReLU, a linear classifier."""
     layers: list[nn.Module] = [nn.Flatten()]
-    width = info.channels * info.image_size * info.image_size
+    width = channels * image_size * image_size
     for _ in range(depth):
         layers += [nn.Linear(width, hidden), nn.ReLU()]
         width = hidden
-    layers.append(nn.Linear(width, info.num_classes))
+    layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
 
 
-def build_model(name: str, info: DataInfo) -> nn.Module:
-    """``model.name`` -> an ``nn.Module`` with random init (seed before calling)."""
-    if name == "digits_cnn":
-        return DigitsCNN(info.channels, info.num_classes, info.image_size)
-    if name == "mlp":
-        return _mlp(info, hidden=256, depth=2)
-    if name == "wide_mlp":  # ~25M parameters at 32x32x3: all-reduce dominates (communication-bound bench)
-        return _mlp(info, hidden=3072, depth=3)
-    try:
-        import torchvision
-    except Exception as exc:  # pragma: no cover
-        raise ConfigError(f"config key model.name={name}: needs torchvision ({exc}); use digits_cnn, mlp or wide_mlp") from None
-    if name not in torchvision.models.list_models(module=torchvision.models):
-        raise ConfigError(f"config key model.name: unknown model {name!r}; use {', '.join(BUILTIN)} "
-                          "or a torchvision classifier such as resnet18")
-    if info.channels != 3:  # checked before building: a large model takes seconds to initialize
-        raise ConfigError(f"config key model.name={name}: torchvision models need 3-channel images; "
-                          "use data.name=synthetic/cifar10/imagefolder or model.name=digits_cnn")
-    return torchvision.models.get_model(name, weights=None, num_classes=info.num_classes)
+def wide_mlp(channels: int, image_size: int, num_classes: int) -> nn.Module:
+    """~25M parameters at 32x32x3: all-reduce dominates (the communication-bound benchmark)."""
+    return mlp(channels, image_size, num_classes, hidden=3072, depth=3)
+
+
+def torchvision_classifier(name: str, num_classes: int, channels: int = 3, **kwargs) -> nn.Module:
+    """A torchvision classifier by name (``resnet18``, ...), random init; other args go to torchvision."""
+    import torchvision
+
+    from ray_app.plugins import PluginError
+
+    if channels != 3:
+        raise PluginError(f"config key model.name: {name} needs 3-channel images and the data has {channels}; "
+                          "use model.name=digits_cnn or mlp")
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -6,7 +6,9 @@ calls the train loop makes, and reads http://127.0.0.1:PORT/metrics.
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import re
 import socket
 import stat
@@ -19,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
-from ray_app.metrics import ADVERTISE_HOST_ENV, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
+from ray_app.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
 from tests.helpers import promtool
 
 GPU_METRICS = {"ray_app_gpu_memory_allocated_bytes", "ray_app_gpu_memory_max_allocated_bytes"}
@@ -36,17 +38,22 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
-def drive(m: PrometheusMetrics, use_gpu: bool = True, run: str = "unit-run") -> None:
-    """The calls one short run makes, in the loop's order."""
-    m.start(run=run, model="mlp", dataset="digits", version=__version__, world_size=2,
-            resumed_from_step=40, global_step=40, epoch=1, use_gpu=use_gpu)
+START = dict(model="mlp", dataset="digits", task="classification", version=__version__, world_size=2, resumed_from_step=40,
+             global_step=40, epoch=1)
+
+
+def drive(m: PrometheusMetrics, use_gpu: bool = True, run: str = "unit-run", evals=({"loss": 0.3, "accuracy": 0.91},),
+          **start) -> None:
+    """The calls one short run makes, in the loop's order (by default a classification task)."""
+    m.start(run=run, **{**START, **start}, use_gpu=use_gpu)
     for step in range(41, 61):
         m.on_step(0.012)
         if step % 10 == 0:
             m.on_progress(epoch=1, global_step=step, lr=0.05, train_loss=0.7, samples=640, samples_per_second=5120.0)
     if use_gpu:
         m.on_gpu_memory(allocated=123_456_789, max_allocated=234_567_890)
-    m.on_eval(eval_loss=0.3, eval_accuracy=0.91)
+    for values in evals:
+        m.on_eval(values)
     m.on_checkpoint(blocked_seconds=0.08)
 
 
@@ -61,6 +68,16 @@ def exporter():
 
 def sample_names(text: str) -> set[str]:
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def sample_values(text: str) -> dict:
+    """{(sample name, sorted label pairs): value} of one scrape."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def eval_series(text: str) -> dict[str, float]:
+    """{name label: value} of the ray_app_eval_metric series."""
+    return {dict(labels)["name"]: v for (n, labels), v in sample_values(text).items() if n == "ray_app_eval_metric"}
 
 
 def test_promtool_check_metrics_reports_no_problems(exporter):
@@ -79,12 +96,13 @@ def test_every_contract_metric_is_served_with_help_and_type(exporter):
 
 def test_values_follow_the_calls(exporter):
     m, text = exporter
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    values = sample_values(text)
     v = lambda name: values[(name, ())]  # noqa: E731
     assert v("ray_app_global_step") == 60 and v("ray_app_epoch") == 1
     assert v("ray_app_train_loss") == 0.7 and v("ray_app_samples_per_second") == 5120.0
     assert v("ray_app_samples_processed_total") == 2 * 640
     assert v("ray_app_step_seconds_count") == 20
+    assert eval_series(text) == {"loss": 0.3, "accuracy": 0.91}
     assert v("ray_app_eval_accuracy") == 0.91 and v("ray_app_eval_loss") == 0.3
     assert v("ray_app_checkpoint_blocked_seconds_count") == 1
     assert v("ray_app_last_checkpoint_timestamp_seconds") > 1.6e9
@@ -92,17 +110,78 @@ def test_values_follow_the_calls(exporter):
     assert v("ray_app_worker_group_starts_total") == 1
     assert v("ray_app_gpu_memory_allocated_bytes") == 123_456_789
     info = [k for k in values if k[0] == "ray_app_info"]
-    assert info == [("ray_app_info", (("dataset", "digits"), ("model", "mlp"), ("run", "unit-run"), ("version", __version__)))]
+    assert info == [("ray_app_info", (("dataset", "digits"), ("model", "mlp"), ("run", "unit-run"), ("task", "classification"),
+                                      ("version", __version__)))]
 
 
 def test_eval_gauges_are_nan_until_the_first_eval():
     m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
-    m.start(run="r", model="mlp", dataset="digits", version=__version__, world_size=2, resumed_from_step=0)
+    m.start(run="r", model="mlp", dataset="digits", task="classification", version=__version__, world_size=2, resumed_from_step=0)
     try:
         text = scrape(m.serving_port)
         assert "ray_app_eval_accuracy NaN" in text and "ray_app_eval_loss NaN" in text
+        assert "# TYPE ray_app_eval_metric gauge" in text and eval_series(text) == {}  # no names before the first eval
     finally:
         m.close()
+
+
+def served_after(evals, **start) -> str:
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m, use_gpu=False, evals=evals, **start)
+    try:
+        return scrape(m.serving_port)
+    finally:
+        m.close()
+
+
+def test_eval_metric_has_one_series_per_name_the_task_reports():
+    """A regression task: mse and mae as ray_app_eval_metric{name=...}; no loss/accuracy, so those gauges stay NaN."""
+    text = served_after([{"mse": 0.5, "mae": 0.75}, {"mse": 0.25, "mae": 0.4}], task="regression")
+    assert 'ray_app_eval_metric{name="mse"} 0.25' in text and 'ray_app_eval_metric{name="mae"} 0.4' in text
+    assert eval_series(text) == {"mse": 0.25, "mae": 0.4}  # the last eval's values, nothing else
+    values = sample_values(text)
+    assert math.isnan(values[("ray_app_eval_loss", ())]) and math.isnan(values[("ray_app_eval_accuracy", ())])
+    out = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), out.stdout + out.stderr
+
+
+def test_a_reported_loss_also_sets_the_legacy_eval_loss_gauge():
+    """A language model: loss (kept in ray_app_eval_loss for old dashboards and rules) and perplexity."""
+    text = served_after([{"loss": 2.0, "perplexity": math.exp(2.0)}], task="language_model")
+    values = sample_values(text)
+    assert eval_series(text) == {"loss": 2.0, "perplexity": math.exp(2.0)}
+    assert values[("ray_app_eval_loss", ())] == 2.0 and math.isnan(values[("ray_app_eval_accuracy", ())])
+    assert LEGACY_EVAL_GAUGES == {"loss": "ray_app_eval_loss", "accuracy": "ray_app_eval_accuracy"}
+
+
+def test_user_task_metric_names_and_import_paths_are_served_as_label_values():
+    text = served_after([{"f1_macro": 0.8, "top5_accuracy": 0.99, "loss": 0.1, "accuracy": 0.95}],
+                        model="acme.model:Net", dataset="acme.data:build", task="acme.task:MyTask")
+    assert eval_series(text) == {"f1_macro": 0.8, "top5_accuracy": 0.99, "loss": 0.1, "accuracy": 0.95}
+    values = sample_values(text)
+    assert values[("ray_app_eval_accuracy", ())] == 0.95 and values[("ray_app_eval_loss", ())] == 0.1
+    (info,) = [dict(labels) for n, labels in values if n == "ray_app_info"]
+    assert (info["model"], info["dataset"], info["task"]) == ("acme.model:Net", "acme.data:build", "acme.task:MyTask")
+
+
+def test_on_eval_counts_in_the_exporters_own_cost():
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    try:
+        before = m.cost.calls_seconds
+        m.on_eval({"loss": 0.3, "accuracy": 0.91})
+        assert m.cost.calls_seconds > before
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("method", ["start", "on_step", "on_progress", "on_eval", "on_checkpoint", "on_gpu_memory", "close",
+                                    "cost_summary"])
+def test_null_sink_takes_the_same_calls_as_the_exporter(method):
+    """Other ranks get NullMetrics: a call the exporter would reject must fail there too, not only on rank 0."""
+    def params(cls):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(getattr(cls, method)).parameters.values()]
+
+    assert params(NullMetrics) == params(PrometheusMetrics)
 
 
 # Non-base units Prometheus' naming guide and promtool reject.
@@ -237,10 +316,22 @@ def test_queries_use_only_names_the_exporter_serves(exporter, source):
 
 
 def test_dashboard_covers_the_contract():
-    """Every metric in METRICS has a panel (directly or via its _bucket/_sum/_count/_created series)."""
+    """Every metric in METRICS has a panel (directly or via its _bucket/_sum/_count/_created series), except the
+    legacy eval gauges: the dashboard shows them as ray_app_eval_metric{name="loss"/"accuracy"}."""
     used = {name for q in dashboard_queries() for name in NAME.findall(q)}
     base = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in used}
-    assert sorted(set(METRICS) - used - base - {b + "_total" for b in base}) == []
+    legacy = set(LEGACY_EVAL_GAUGES.values())
+    assert "ray_app_eval_metric" in used and not legacy & used  # one eval panel, no doubled loss/accuracy lines
+    assert sorted(set(METRICS) - used - base - {b + "_total" for b in base} - legacy) == []
+
+
+def test_readme_metrics_table_is_the_contract():
+    """README's "## Metrics" table lists exactly METRICS: same names, types and help text."""
+    readme = (MONITORING.parent / "README.md").read_text()
+    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(ray_app_[a-z0-9_]+)` \| (\w+) \| (.*) \|$", section, re.M)
+    assert {name: (kind, help_text) for name, kind, help_text in rows} == METRICS
+    assert len(rows) == len(METRICS)
 
 
 def test_exporter_accounts_for_its_own_cost(exporter):

@@ -8,6 +8,7 @@ alerts are shown to fire, and to stay quiet, on the series they are about.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -91,10 +92,22 @@ def test_dashboard_panels_do_not_overlap_and_ids_are_unique():
 def test_dashboard_shows_what_operators_ask_for():
     dash = json.loads(DASHBOARD.read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
-    for needle in ("ray_app_train_loss", "ray_app_eval_accuracy", "ray_app_samples_per_second",
+    for needle in ("ray_app_train_loss", "ray_app_eval_metric", "ray_app_samples_per_second",
                    "histogram_quantile(0.50, sum by (le) (rate(ray_app_step_seconds_bucket",
                    "histogram_quantile(0.95, sum by (le) (rate(ray_app_step_seconds_bucket",
                    "time() - max(ray_app_last_checkpoint_timestamp_seconds", "ray_app_checkpoint_blocked_seconds",
                    "ray_app_worker_group_starts", "ray_app_resumed_from_step", "ray_app_world_size",
                    "ray_app_learning_rate", "ray_app_gpu_memory_allocated_bytes"):
         assert needle in exprs, needle
+
+
+def test_eval_panel_shows_every_task_metric_by_name():
+    """One series per name the task reports (loss, accuracy, mse, perplexity, a user task's own), named in the legend."""
+    dash = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in dash["panels"] if any("ray_app_eval_" in t["expr"] for t in p.get("targets", []))]
+    (target,) = panel["targets"]
+    assert target["expr"] == 'ray_app_eval_metric{job=~"$job", instance=~"$instance"}'
+    assert target["legendFormat"].startswith("{{name}}")
+    (accuracy,) = [o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["id"] == "byRegexp"]
+    assert re.fullmatch(accuracy["matcher"]["options"], "accuracy w1:9500")  # Grafana anchors a plain pattern
+    assert not re.fullmatch(accuracy["matcher"]["options"], "top5_accuracy w1:9500")

@@ -1,0 +1,35 @@
+"""How the kit tells a bug from a fault when a worker group fails (runs in Ray Train's controller).
+
+- Bad input found by a worker (a ``ConfigError``, e.g. a plug-in that breaks its contract or a
+  data folder laid out wrongly) ends the run at once: it would fail the same way on every restart.
+- An exception raised in the user's code (``UserCodeError``) is retried once, like a fault: data on a
+  network file system may be back a moment later. If the next attempt fails with the same
+  exception, message, place in the user's code and global step, it is a bug: the run ends there
+  instead of burning the remaining ``failure.max_failures`` restarts.
+- Everything else (a killed or lost worker, a collective that failed, storage errors) follows Ray
+  Train's default policy: restart from the newest checkpoint up to ``failure.max_failures``.
+"""
+
+from __future__ import annotations
+
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+
+from ray_app.config import ConfigError
+from ray_app.plugins import UserCodeError
+
+
+class KitFailurePolicy(DefaultFailurePolicy):
+    def __init__(self, failure_config):
+        super().__init__(failure_config)
+        self._last_fingerprints: set[str] = set()
+
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        errors = list((getattr(training_failed_error, "worker_failures", None) or {}).values())
+        if any(isinstance(e, ConfigError) for e in errors):
+            return FailureDecision.RAISE
+        fingerprints = {e.fingerprint for e in errors if isinstance(e, UserCodeError)}
+        recurring = bool(fingerprints & self._last_fingerprints)
+        self._last_fingerprints = fingerprints
+        if recurring:
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
