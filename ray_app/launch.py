@@ -90,7 +90,26 @@ def _quiet_report_log() -> None:
         pass
 
 
+class _ShownByTheDriver(logging.Filter):
+    """Ray Train logs every worker's exception on every attempt; the errors the driver shows itself
+    (bad input, the user's own exception with its traceback) are shown there once instead."""
+
+    active = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.active and record.getMessage().startswith("Error in training function"))
+
+
+_SHOWN_BY_THE_DRIVER = _ShownByTheDriver()
+
+
 def _worker_logging() -> None:
+    try:
+        from ray.train.v2._internal import util as train_util
+
+        logging.getLogger(train_util.__name__).addFilter(_SHOWN_BY_THE_DRIVER)
+    except Exception:  # a Ray refactor must never break training
+        pass
     app_log = logging.getLogger("ray_app")
     if not app_log.handlers:
         handler = logging.StreamHandler(sys.stdout)
@@ -170,11 +189,13 @@ def worker_main(job: dict, results=None) -> None:
             result, trainer = _train(cfg, runtime, stats)
     except Exception as exc:
         if isinstance(exc, ConfigError):
+            _SHOWN_BY_THE_DRIVER.active = True
             raise
         pos = getattr(trainer, "pos", None)
         wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
         if wrapped is None:
             raise
+        _SHOWN_BY_THE_DRIVER.active = True
         raise wrapped from None
     if results is not None and runtime.rank == 0:
         results.put(result)

@@ -75,12 +75,22 @@ class UserCodeError(RuntimeError):
         mine = [i for i, f in enumerate(frames) if _under(f.filename, roots)]
         if not mine:
             return None
-        shown = frames[mine[0]:]  # the user's frames and what they called; not the kit's or Ray's above them
+        # the user's frames and what they called; not the kit's or Ray's above them, nor torch's call plumbing
+        shown = [f for f in frames[mine[0]:] if not _plumbing(f)]
         text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(shown)) + \
             "".join(traceback.format_exception_only(type(exc), exc))
         summary = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [type(exc).__name__])[0][:500]
         where = frames[mine[-1]]
         return cls(summary, text, f"{type(exc).__qualname__}|{exc}|{where.filename}:{where.lineno}|step {step}", rank)
+
+
+_PLUMBING = {("module.py", "_wrapped_call_impl"), ("module.py", "_call_impl"), ("distributed.py", "forward"),
+             ("distributed.py", "_run_ddp_forward")}
+
+
+def _plumbing(frame: traceback.FrameSummary) -> bool:
+    """torch's nn.Module.__call__ and DDP's forward: between the user's call and the user's forward."""
+    return f"{os.sep}torch{os.sep}nn{os.sep}" in frame.filename and (Path(frame.filename).name, frame.name) in _PLUMBING
 
 
 def _under(filename: str, roots: tuple[str, ...]) -> bool:

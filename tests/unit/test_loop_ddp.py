@@ -8,6 +8,7 @@ where the uninterrupted one does.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -24,9 +25,18 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified
 from ray_app.config import load_config
-from ray_app.data import build_datasets
-from ray_app.loop import ResumableDistributedSampler, Trainer, assert_identical_parameters, gather_predictions, global_mean, lr_lambda
-from ray_app.models import build_model
+from ray_app.loop import (
+    MetricsSink,
+    ResumableDistributedSampler,
+    Runtime,
+    Trainer,
+    assert_identical_parameters,
+    build_parts,
+    gather_eval_rows,
+    global_mean,
+    lr_lambda,
+)
+from ray_app.plugins import build_data, build_model
 from ray_app.storage import LocalStorage
 
 EVAL_N = 359  # the digits eval set size: divisible by neither 2 nor 3
@@ -93,7 +103,9 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
         losses.append(F.cross_entropy(x, y, reduction="none"))
     local_idx = torch.tensor(list(iter(sampler)))
     assert torch.equal(local_idx, torch.cat(idx_seen))  # the order the loop assumes
-    idx, p, t, loss = gather_predictions(local_idx, torch.cat(preds), torch.cat(tgts), torch.cat(losses), world)
+    columns = torch.stack([torch.cat(preds).double(), torch.cat(tgts).double(), torch.cat(losses).double()], dim=1)
+    idx, rows = gather_eval_rows(local_idx, columns, world)
+    p, t, loss = rows[:, 0], rows[:, 1], rows[:, 2]
     result["eval"] = {"indices": idx.tolist(), "accuracy": (p == t).double().mean().item(),
                       "loss": loss.mean().item(), "num_samples": int(idx.numel()),
                       "padded_count": len(local_idx) * world}
@@ -142,9 +154,6 @@ class FakeRuntime:
     def prepare_model(self, model, bucket_cap_mb: int = 25):
         return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
 
-    def prepare_loader(self, loader):
-        return loader
-
     def drain(self) -> None:
         for fut in self.uploads:
             fut.result()
@@ -185,8 +194,8 @@ class RecordingMetrics:
     def on_progress(self, **kw):
         self.progress.append(kw)
 
-    def on_eval(self, **kw):
-        self.evals.append(kw)
+    def on_eval(self, values):
+        self.evals.append(values)
 
     def on_checkpoint(self, **kw): ...
 
@@ -231,7 +240,9 @@ def _fit(rank: int, world: int, cfg, crash_after=None):
     staged = cfg.checkpoint.upload == "async"
     rt = FakeRuntime(rank, world, crash_after, async_upload=staged)
     metrics = RecordingMetrics()
-    trainer = Trainer(cfg, rt, Checkpointer(storage, cfg.run.name, rt.report, warn=print, staged=staged), metrics)
+    checkpointer = Checkpointer(storage, cfg.run.name, rt.report, every_epochs=cfg.checkpoint.every_epochs,
+                                every_steps=cfg.checkpoint.every_steps, warn=print, staged=staged)
+    trainer = Trainer(cfg, rt, build_parts(cfg, rt), checkpointer, metrics)
     try:
         summary = trainer.fit()
         rt.drain()  # Ray Train waits for pending uploads when the train function returns
@@ -295,6 +306,36 @@ def test_global_mean_is_sample_weighted(collectives):
     for r in ranks:
         assert r["global_mean"] == pytest.approx(expected, rel=1e-12, abs=0)
         assert r["global_mean"] != pytest.approx(unweighted, rel=1e-3)
+
+
+def _protocol_methods(protocol) -> dict:
+    return {name: inspect.signature(getattr(protocol, name)) for name in dir(protocol)
+            if not name.startswith("_") and callable(getattr(protocol, name))}
+
+
+@pytest.mark.parametrize("protocol, implementations", [
+    (Runtime, ("ray_app.launch:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
+    (MetricsSink, ("ray_app.metrics:NullMetrics", "ray_app.metrics:PrometheusMetrics",
+                   "tests.unit.test_loop_ddp:RecordingMetrics")),
+], ids=["Runtime", "MetricsSink"])
+def test_real_objects_and_test_fakes_satisfy_the_loops_protocols(protocol, implementations):
+    import importlib
+
+    wanted = _protocol_methods(protocol)
+    assert wanted
+    for path in implementations:
+        module, _, name = path.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        for method, sig in wanted.items():
+            assert callable(getattr(cls, method, None)), f"{path} has no {method}"
+            have = inspect.signature(getattr(cls, method))
+            # the parameters the loop passes (names and kinds) are accepted
+            for p in list(sig.parameters.values())[1:]:
+                if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                    continue
+                params = have.parameters
+                assert p.name in params or any(q.kind is q.VAR_KEYWORD for q in params.values()), \
+                    f"{path}.{method} does not take {p.name}"
 
 
 def test_identical_parameters_check(collectives):
@@ -393,8 +434,9 @@ def test_training_learns_digits_and_reports_the_summary(trainer_runs):
 def test_trainer_eval_matches_a_single_process_evaluation(trainer_runs):
     ranks, _ = trainer_runs
     s = ranks[0]["ref-accum1"]["summary"]
-    _, ev, info = build_datasets(load_config(None, []).data)
-    model = build_model("digits_cnn", info)
+    cfg = load_config(None, [])
+    _, ev, info = build_data(cfg)
+    model = build_model(cfg, info)
     model.load_state_dict(ranks[0]["ref-accum1"]["params"])
     model.eval()
     with torch.no_grad():
