@@ -192,7 +192,9 @@ def _coerce(key: str, value: Any, fld: dataclasses.Field) -> Any:
     return value
 
 
-def _apply(cfg: Config, tree: dict, origin: str) -> None:
+def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> None:
+    """Set the keys of ``tree``; a plug-in's ``args`` mapping is replaced, or merged into with ``merge_args``
+    (``--set model.args.hidden=3`` adds one argument; ``--set model.args={}`` clears them)."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections ({', '.join(SECTIONS)})")
     for section, values in tree.items():
@@ -210,7 +212,7 @@ def _apply(cfg: Config, tree: dict, origin: str) -> None:
                     f"{origin}: unknown config key {section}.{key}; known keys in {section}: {', '.join(fields)}"
                 )
             value = _coerce(f"{section}.{key}", value, fields[key])
-            if fields[key].type == "dict":
+            if fields[key].type == "dict" and merge_args:
                 value = _merge_args(getattr(obj, key), value)
             setattr(obj, key, value)
 
@@ -281,11 +283,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             where = f" line {mark.line + 1}" if mark else ""
             raise ConfigError(f"--config {path}:{where} is not valid YAML; fix the syntax") from None
         _apply(cfg, tree, str(path))
-    for text in overrides or []:
-        _apply(cfg, parse_override(text), f"--set {text}")
+    _apply_overrides(cfg, overrides or [])
     _check_cross_field(cfg)
     _absolute_local_paths(cfg)
     return cfg
+
+
+def _apply_overrides(cfg: Config, overrides) -> None:
+    for text in overrides:
+        one_argument = text.split("=", 1)[0].count(".") > 1  # section.args.name=value
+        _apply(cfg, parse_override(text), f"--set {text}", merge_args=one_argument)
 
 
 def _is_local(path: str) -> bool:
@@ -306,8 +313,7 @@ def config_from_dict(tree: dict, overrides: list[str] | tuple = ()) -> Config:
     then apply ``--set`` overrides."""
     cfg = Config()
     _apply(cfg, _migrated(tree), "config")
-    for text in overrides:
-        _apply(cfg, parse_override(text), f"--set {text}")
+    _apply_overrides(cfg, overrides)
     _check_cross_field(cfg)
     return cfg
 
