@@ -34,7 +34,8 @@ class RunSection:
     name: str = _f("digits-ddp", "Run name: checkpoints live under {storage}/{name}/; the same name resumes.")
     seed: int = _f(0, "Seed for model init, data order and every rank's RNG.", min=0)
     storage: str = _f("./runs", "Where runs live: a local folder or s3://bucket/prefix.")
-    resume_from: str = _f("", "Warm-start from this checkpoint URI when the run has no checkpoint of its own.")
+    resume_from: str = _f("", "Warm-start from this checkpoint (or run) URI when the run has no checkpoint of its "
+                          "own: its whole state if its config matches, else its model weights.")
 
 
 def _args(help: str):
@@ -207,6 +208,9 @@ def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> No
         obj = getattr(cfg, section)
         fields = {f.name: f for f in dataclasses.fields(obj)}
         for key, value in values.items():
+            if key not in fields and section == "data" and key in LEGACY_DATA_KEYS:
+                raise ConfigError(f"{origin}: config key data.{key} is now data.args.{key} (an argument of the "
+                                  "synthetic / imagefolder data sets); move it there")
             if key not in fields:
                 raise ConfigError(
                     f"{origin}: unknown config key {section}.{key}; known keys in {section}: {', '.join(fields)}"
@@ -341,7 +345,8 @@ def describe_keys() -> list[tuple[str, str, Any, str]]:
             help_text = f.metadata["help"]
             if f.metadata.get("choices"):
                 help_text += f" One of: {', '.join(f.metadata['choices'])}."
-            rows.append((f"{sec.name}.{f.name}", str(f.type), f.default, help_text))
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            rows.append((f"{sec.name}.{f.name}", str(f.type), default, help_text))
     return rows
 
 

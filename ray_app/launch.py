@@ -419,7 +419,7 @@ def raise_worker_failure(error) -> None:
         sys.stderr.write(f"ray-app: rank {user[0].rank} raised in your code:\n{user[0].traceback_text}")
         sys.stderr.flush()
         raise TrainingFailed(f"{user[0].summary} (rank {user[0].rank}; traceback above)")
-    lines = [ln for ln in str(error).strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
     raise TrainingFailed((lines[-1] if lines else type(error).__name__)[:500])
 
 

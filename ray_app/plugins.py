@@ -154,7 +154,7 @@ def resolve(kind: str, name: str):
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
             raise ConfigError(f"{key}: cannot import {module_name!r} (no module named {exc.name!r}); run ray-app "
                               "from your project folder, install your package, or put it on PYTHONPATH") from None
         raise ConfigError(f"{key}: importing {module_name} failed: {_one_line(exc)}") from None
@@ -224,7 +224,7 @@ def _source_params(tgt: str) -> Params | None:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == attr:
             inits = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
-            return _ast_params(inits[0].args, skip=1) if inits else Params([], set(), False)
+            return _ast_params(inits[0].args, skip=1) if inits else None  # inherited: ask the class itself
         if isinstance(node, ast.FunctionDef) and node.name == attr:
             return _ast_params(node.args, skip=0)
     return None

@@ -70,6 +70,9 @@ class Classification(_SupervisedTask):
 class Regression(_SupervisedTask):
     """Mean squared error of predictions against targets of the same shape; eval: mse and mae."""
 
+    def __init__(self, input_key: str = "input", target_key: str = "target"):
+        super().__init__(input_key, target_key)
+
     def loss(self, model, batch):
         x, y = self.split(batch)
         return F.mse_loss(model(x), y), y.shape[0]

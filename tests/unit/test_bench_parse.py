@@ -155,7 +155,7 @@ def test_flops_and_mfu(monkeypatch):
     assert flops.peak_flops("Something")[0] == 100e12
     # wide_mlp at 32x32x3: 3072-3072-3072-3072-10 linear layers: 2 FLOPs per weight forward, 4 backward,
     # except the first layer, whose input needs no gradient (2 backward)
-    per_sample = flops.flops_per_sample(("data.name=synthetic", "model.name=wide_mlp", "data.image_size=32"))
+    per_sample = flops.flops_per_sample(("data.name=synthetic", "model.name=wide_mlp", "data.args.image_size=32"))
     weights = 3072 * 3072 * 3 + 3072 * 10
     assert per_sample == pytest.approx(6 * weights - 2 * 3072 * 3072, rel=0.001)
     assert flops.mfu(per_sample, 1000.0, 1e15) == pytest.approx(per_sample * 1000 / 1e15)

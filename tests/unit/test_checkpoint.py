@@ -7,6 +7,7 @@ import json
 import pickle
 import random
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from ray_app.checkpoint import (
     checkpoint_dir_name,
     list_checkpoints,
     load_verified,
+    newest_committed_config,
     newest_verified,
     resolve_checkpoint_uri,
     restore_rng_state,
@@ -263,3 +265,111 @@ def test_raw_weights_only_refuses_objects():
     buf.seek(0)
     with pytest.raises(pickle.UnpicklingError):
         torch.load(buf, weights_only=True)
+
+
+# ---------------------------------------------------------------- cadence and blocked time
+
+def pos(global_step: int, batches_done: int):
+    return SimpleNamespace(global_step=global_step, batches_done=batches_done)
+
+
+def test_step_cadence_is_every_n_optimizer_steps_and_leaves_epoch_ends_alone(storage):
+    cp = Checkpointer(storage, RUN, report=None, every_steps=5)
+    assert cp.step_due(pos(10, 3), batches_per_epoch=8)
+    assert not cp.step_due(pos(11, 4), batches_per_epoch=8)
+    assert not cp.step_due(pos(10, 8), batches_per_epoch=8)  # the epoch's end: epoch_due / final_due decide
+    assert not Checkpointer(storage, RUN, report=None).step_due(pos(10, 3), 8)  # every_steps=0: off
+
+
+@pytest.mark.parametrize("every, done, total, due", [
+    (1, 1, 3, True), (1, 2, 3, True), (1, 3, 3, False),  # the last epoch is the final checkpoint's
+    (2, 1, 5, False), (2, 2, 5, True), (2, 4, 4, False), (3, 3, 7, True), (0, 1, 3, False),
+])
+def test_epoch_cadence(storage, every, done, total, due):
+    assert Checkpointer(storage, RUN, report=None, every_epochs=every).epoch_due(done, total) is due
+
+
+def test_final_checkpoint_unless_off_or_nothing_new_was_trained(storage):
+    fresh = Checkpointer(storage, RUN, report=None)
+    assert fresh.final_due(global_step=30, resumed_from_step=0)
+    assert not Checkpointer(storage, RUN, report=None, every_epochs=0).final_due(30, 0)  # checkpoints off
+    assert Checkpointer(storage, RUN, report=None, every_epochs=0, every_steps=7).final_due(30, 0)
+    commit(storage, 30)
+    resumed = Checkpointer(storage, RUN, report=None, warn=lambda m: None)
+    assert resumed.restore(rank=0).state["global_step"] == 30
+    assert not resumed.final_due(global_step=30, resumed_from_step=30)  # a resume that trained nothing
+    assert resumed.final_due(global_step=31, resumed_from_step=30)
+
+
+def _reporter(calls, defer=None):
+    def report(metrics, local_dir, dir_name, upload):
+        calls.append((metrics, local_dir, dir_name))
+        if local_dir is not None:
+            if defer is None:
+                upload(local_dir, dir_name)
+            else:
+                defer.append(lambda: upload(local_dir, dir_name))
+    return report
+
+
+def test_sync_save_returns_and_accounts_the_blocked_time(storage):
+    calls = []
+    cp = Checkpointer(storage, RUN, _reporter(calls))
+    assert (cp.blocked_seconds, cp.written) == (0.0, 0)
+    first = cp.save(tiny_payload(4), {"global_step": 4}, is_writer=True)
+    assert isinstance(first, float) and first > 0
+    assert cp.settle() is None  # nothing pending: a sync save settles itself
+    second = cp.save(tiny_payload(8), {"global_step": 8}, is_writer=True)
+    assert cp.written == 2 and cp.blocked_seconds == pytest.approx(first + second)
+    other = Checkpointer(storage, RUN, _reporter(calls))
+    assert isinstance(other.save(None, {"global_step": 8}, is_writer=False), float) and other.written == 1
+    assert newest_verified(storage, RUN)[0] == calls[1][2]
+
+
+def test_staged_save_returns_none_until_settled_then_the_total(storage):
+    calls, uploads = [], []
+    cp = Checkpointer(storage, RUN, _reporter(calls, defer=uploads), staged=True)
+    payload = tiny_payload(6)
+    keys = frozenset(payload.model)
+    assert cp.save(payload, {"global_step": 6}, is_writer=True, param_keys=keys) is None
+    assert cp.written == 0  # not accounted while the snapshot may still be copying
+    blocked = cp.settle()
+    assert isinstance(blocked, float) and blocked > 0
+    assert cp.written == 1 and cp.blocked_seconds == pytest.approx(blocked)
+    assert cp.settle() is None
+    # the snapshot is what is written, whatever the live state does after settle()
+    for v in payload.model.values():
+        v.zero_()
+    uploads.pop()()
+    loaded = load_verified(storage, f"{RUN}/{calls[0][2]}", rank=0)
+    assert any(torch.count_nonzero(v) for v in loaded.model.values())
+    assert cp.last_uri == storage.uri(RUN, calls[0][2])
+    other = Checkpointer(storage, RUN, _reporter(calls), staged=True)
+    assert other.save(None, {"global_step": 6}, is_writer=False) is None
+    assert isinstance(other.settle(), float) and other.written == 1
+
+
+def test_warm_start_only_when_the_checkpoint_comes_from_resume_from(storage):
+    commit(storage, 5)  # in run-a
+    source = storage.uri(RUN)
+    warm = Checkpointer(storage, "run-b", report=None, resume_from=source, warn=lambda m: None)
+    assert warm.restore(rank=0).state["global_step"] == 5
+    assert warm.warm_start and warm.last_uri.startswith(source)
+    own = Checkpointer(storage, RUN, report=None, resume_from=storage.uri("elsewhere"), warn=lambda m: None)
+    assert own.restore(rank=0) is not None and not own.warm_start
+    assert not Checkpointer(storage, "run-c", report=None).warm_start
+
+
+def test_newest_committed_config_reads_only_the_config(storage):
+    assert newest_committed_config(storage, RUN) is None
+    old = commit(storage, 10)
+    uri, config = newest_committed_config(storage, RUN)
+    assert uri == storage.uri(old) and config == {"run": {"name": RUN}}
+    new = commit(storage, 20)
+    flip_byte(storage.root / new / "model.pt")  # not read: cheap enough for every `train` start
+    assert newest_committed_config(storage, RUN)[0] == storage.uri(new)
+    (storage.root / new / "config.json").write_text('{"run": {"name": "tampered"}}')
+    assert newest_committed_config(storage, RUN)[0] == storage.uri(old)  # its manifest does not match it
+    uncommitted = commit(storage, 30)
+    (storage.root / uncommitted / MANIFEST).unlink()
+    assert newest_committed_config(storage, RUN)[0] == storage.uri(old)

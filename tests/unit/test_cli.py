@@ -53,6 +53,11 @@ def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
     (["run.storage=gs://b/p"], "run.storage"),
     (["run.storage=s3://"], "run.storage"),
     (["train.epochs"], "train.epochs"),
+    (["model.args=5"], "model.args"),
+    (["model.args.widht=3"], "model.args.widht"),      # digits_cnn takes no such argument
+    (["model.name=no_such_pkg.model:Net"], "model.name"),  # a plug-in that cannot be imported
+    (["task.name=nope"], "task.name"),
+    (["data.name=digits", "data.path=/data"], "data.path"),  # digits reads no folder
 ])
 def test_bad_config_exits_2_with_one_line_and_creates_nothing(run_cli, tmp_path, overrides, key):
     args = ["train", "--config", LOCAL_YAML]
@@ -73,6 +78,25 @@ def test_unknown_model_exits_2_before_ray(run_cli, tmp_path):
     assert rc == 2
     assert "model.name" in one_error_line(err)
     assert not (tmp_path / "runs" / "digits-ddp").exists()
+
+
+def test_user_plugins_are_found_from_the_project_folder(run_cli, tmp_path):
+    """`ray-app preflight` run from the user's project folder imports their plug-ins (like python -m)."""
+    (tmp_path / "acme_proj").mkdir()
+    (tmp_path / "acme_proj" / "__init__.py").write_text("")
+    (tmp_path / "acme_proj" / "model.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Module):\n"
+        "    def __init__(self, num_classes, hidden=8):\n        super().__init__()\n")
+    args = ["preflight", "--set", "model.name=acme_proj.model:Net", "--set", "run.storage=runs"]
+    rc, out, err = run_cli([*args, "--set", "model.args.hidden=4"], cwd=tmp_path, env={"RAY_ADDRESS": None},
+                           timeout=120)
+    assert rc == 0, err
+    assert "config ok" in out and "acme_proj.model:Net" in out
+    rc, out, err = run_cli([*args, "--set", "model.args.hiden=4"], cwd=tmp_path, env={"RAY_ADDRESS": None},
+                           timeout=120)
+    assert rc == 2
+    line = one_error_line(err)
+    assert "config key model.args.hiden" in line and "num_classes, hidden" in line
 
 
 def test_malformed_yaml_exits_2(run_cli, tmp_path):
@@ -136,7 +160,7 @@ def test_checkpoints_list_verify_export_on_a_good_run(run_cli, tmp_path):
     run_uri = str(tmp_path / "runs" / "r1")
     rc, out, err = run_cli(["checkpoints", "list", run_uri], timeout=60)
     assert rc == 0, err
-    assert ckpt.name in out and "verified" in out and "step 7" in out
+    assert ckpt.name in out and "verified" in out and "step 7" in out and "eval_accuracy 0.5" in out
     rc, out, err = run_cli(["checkpoints", "list", run_uri, "--json"], timeout=60)
     rows = json.loads(out)
     assert [r["name"] for r in rows] == [ckpt.name] and rows[0]["verified"] is True
@@ -182,3 +206,21 @@ def test_verify_of_a_tampered_checkpoint_exits_2(run_cli, tmp_path):
     assert rc == 2
     assert "model.pt" in one_error_line(err)
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_checkpoints_list_shows_every_eval_metric_of_the_task(run_cli, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "runs")
+    metrics = {"global_step": 7, "train_loss": 0.5, "eval_mse": 0.123456, "eval_mae": 0.25, "other": 1}
+    (ckpt / "metrics.json").write_text(json.dumps(metrics))
+    # re-commit: the manifest must list the new metrics.json
+    payload = CheckpointPayload(model=torch.load(ckpt / "model.pt", weights_only=True), optimizer={}, scheduler={},
+                                scaler={}, rng_per_rank=[capture_rng_state()],
+                                state={"epoch": 1, "batches_done": 0, "global_step": 7, "world_size": 1},
+                                config={}, metrics=metrics)
+    write_checkpoint_dir(ckpt, payload)
+    rc, out, err = run_cli(["checkpoints", "list", str(tmp_path / "runs" / "r1")], timeout=60)
+    assert rc == 0, err
+    assert "eval_mse 0.1235" in out and "eval_mae 0.25" in out and "eval_accuracy" not in out
+    assert "other" not in out and "verified" in out
+    rc, out, _ = run_cli(["checkpoints", "list", str(tmp_path / "runs" / "r1"), "--json"], timeout=60)
+    assert json.loads(out)[0]["metrics"] == {"train_loss": 0.5, "eval_mse": 0.123456, "eval_mae": 0.25}

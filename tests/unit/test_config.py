@@ -30,7 +30,8 @@ def test_every_key_has_help_text():
                   "train.weight_decay", "train.warmup_epochs", "train.grad_accum", "train.clip_grad_norm",
                   "train.amp", "checkpoint.every_epochs", "checkpoint.every_steps", "checkpoint.keep",
                   "checkpoint.upload", "scaling.num_workers", "scaling.use_gpu", "scaling.cpus_per_worker",
-                  "scaling.gpus_per_worker", "failure.max_failures", "metrics.enabled", "metrics.port"}
+                  "scaling.gpus_per_worker", "failure.max_failures", "metrics.enabled", "metrics.port",
+                  "data.args", "model.args", "task.name", "task.args"}
     assert documented <= {key for key, *_ in rows}
 
 
@@ -75,10 +76,12 @@ def test_relative_local_paths_resolve_against_the_working_directory(tmp_path, mo
     ("metrics.port=0", "metrics.port"),
     ("train.momentum=1.5", "train.momentum"),
     ("train.optimizer=rmsprop", "train.optimizer"),  # bad choice
-    ("data.name=mnist", "data.name"),
+    # data.name=mnist: any name may be an import path, so unknown names are plugins.validate's (test_plugins)
     ("checkpoint.upload=later", "checkpoint.upload"),
     ("run.name=../escape", "run.name"),
     ("data.name=cifar10", "data.path"),            # needs a path
+    ("model.args=5", "model.args"),                # args must be a mapping
+    ("task.args=[1]", "task.args"),
 ])
 def test_bad_override_raises_config_error_naming_the_key(override, key):
     with pytest.raises(ConfigError) as exc:
@@ -230,3 +233,158 @@ def test_readme_config_reference_matches_the_code():
         cells = [c.strip() for c in rows[key].split("|")[1:-1]]
         assert cells[1] == typ, key
         assert cells[3].startswith(help_text), key
+
+
+def test_describe_keys_defaults_are_the_config_defaults():
+    defaults = Config().to_dict()
+    for key, _typ, default, _help in describe_keys():
+        section, name = key.split(".")
+        assert default == defaults[section][name], key
+
+
+# ---------------------------------------------------------------- plug-in args and task
+
+def test_plugin_sections_default_to_the_builtin_example():
+    cfg = load_config(None, [])
+    assert (cfg.task.name, cfg.task.args, cfg.model.args, cfg.data.args) == ("classification", {}, {}, {})
+    assert Config().model.args is not Config().model.args  # one dict per config, never shared
+
+
+def test_set_args_merges_one_argument_into_the_yaml_args(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  name: acme.model:Net\n  args: {hidden: 128, depth: 3, opt: {beta: 0.9, eps: 1.0e-8}}\n"
+                 "data:\n  name: synthetic\n  args: {image_size: 16}\n")
+    cfg = load_config(f, ["model.args.hidden=256", "model.args.opt.beta=0.5", "data.args.num_samples=10",
+                          "task.args.label_smoothing=0.1"])
+    assert cfg.model.name == "acme.model:Net"
+    assert cfg.model.args == {"hidden": 256, "depth": 3, "opt": {"beta": 0.5, "eps": 1e-8}}
+    assert cfg.data.args == {"image_size": 16, "num_samples": 10}
+    assert isinstance(cfg.data.args["num_samples"], int) and cfg.task.args == {"label_smoothing": 0.1}
+    # the YAML file alone is untouched by another load
+    assert load_config(f, []).model.args == {"hidden": 128, "depth": 3, "opt": {"beta": 0.9, "eps": 1e-8}}
+
+
+def test_set_whole_args_replaces_them(tmp_path):
+    """``--set model.args={...}`` is the whole mapping (``{}`` clears what the file gave); one argument merges."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  args: {hidden: 128, depth: 3}\n")
+    assert load_config(f, ["model.args={}"]).model.args == {}
+    assert load_config(f, ["model.args={width: 8}"]).model.args == {"width": 8}
+    assert load_config(f, ["model.args={width: 8}", "model.args.depth=2"]).model.args == {"width": 8, "depth": 2}
+    from ray_app.config import config_from_dict
+
+    saved = load_config(f, []).to_dict()
+    assert config_from_dict(saved, ["model.args={}"]).model.args == {}
+    assert config_from_dict(saved, ["model.args.depth=1"]).model.args == {"hidden": 128, "depth": 1}
+
+
+def test_set_args_values_are_yaml_scalars():
+    assert parse_override("data.args.num_samples=10") == {"data": {"args": {"num_samples": 10}}}
+    assert parse_override("model.args.dropout=0.25") == {"model": {"args": {"dropout": 0.25}}}
+    assert parse_override("model.args.bias=false") == {"model": {"args": {"bias": False}}}
+    assert parse_override("data.args.root=/data/x") == {"data": {"args": {"root": "/data/x"}}}
+    assert parse_override("model.args.sizes=[1, 2]") == {"model": {"args": {"sizes": [1, 2]}}}
+    assert parse_override("model.args.a.b=1") == {"model": {"args": {"a": {"b": 1}}}}
+    cfg = load_config(None, ["data.name=synthetic", "data.args.num_samples=10", "data.args.image_size=8"])
+    assert cfg.data.args == {"num_samples": 10, "image_size": 8}
+    assert type(cfg.data.args["num_samples"]) is int
+
+
+def test_args_must_be_a_mapping_with_argument_names(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  args: [128]\n")
+    with pytest.raises(ConfigError, match="config key model.args") as exc:
+        load_config(f, [])
+    assert "mapping" in str(exc.value) and "\n" not in str(exc.value)
+    f.write_text("model:\n  args: {1: 2}\n")
+    with pytest.raises(ConfigError, match="config key model.args"):
+        load_config(f, [])
+    f.write_text("model:\n  args: {not-a-name: 2}\n")
+    with pytest.raises(ConfigError, match="config key model.args"):
+        load_config(f, [])
+    # only args take a third part: section.key.sub is still malformed elsewhere
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(None, ["model.name.x=1"])
+
+
+def test_old_data_keys_are_unknown_in_new_configs():
+    """data.num_samples / data.image_size moved to data.args; a new config naming them fails on the key."""
+    with pytest.raises(ConfigError, match="data.num_samples"):
+        load_config(None, ["data.num_samples=10"])
+
+
+def test_config_from_dict_migrates_old_data_keys():
+    """A checkpoint saved before data.args: its data.num_samples / image_size become the factory's args."""
+    from ray_app.config import config_from_dict
+
+    old = Config().to_dict()
+    old["data"] = {k: v for k, v in old["data"].items() if k != "args"}
+    synthetic = config_from_dict({**old, "data": {**old["data"], "name": "synthetic", "num_samples": 100,
+                                                  "image_size": 16}})
+    assert synthetic.data.args == {"num_samples": 100, "image_size": 16}
+    folder = config_from_dict({**old, "data": {**old["data"], "name": "imagefolder", "path": "/d",
+                                               "num_samples": 2048, "image_size": 64}})
+    assert folder.data.args == {"image_size": 64}  # imagefolder never took num_samples
+    digits = config_from_dict({**old, "data": {**old["data"], "num_samples": 2048, "image_size": 32}})
+    assert digits.data.args == {}  # digits took neither
+    # no task section in an old config: the classification it trained
+    assert config_from_dict({k: v for k, v in old.items() if k != "task"}).task.name == "classification"
+
+
+def test_config_from_dict_applies_overrides_over_the_saved_args():
+    from ray_app.config import config_from_dict
+
+    saved = load_config(None, ["model.args.width=8", "model.args.dropout=0.2"]).to_dict()
+    cfg = config_from_dict(saved, ["model.args.width=4", "scaling.num_workers=1"])
+    assert cfg.model.args == {"width": 4, "dropout": 0.2} and cfg.scaling.num_workers == 1
+    with pytest.raises(ConfigError, match="train.epochs"):
+        config_from_dict(saved, ["train.epochs=0"])
+
+
+@pytest.mark.parametrize("change, key", [
+    ("model.name=mlp", "model.name"),
+    ("model.args.width=8", "model.args"),
+    ("data.name=synthetic", "data.name"),
+    ("data.args.num_samples=64", "data.args"),
+    ("task.name=regression", "task.name"),
+    ("task.args.label_smoothing=0.1", "task.args"),
+    ("run.seed=1", "run.seed"),
+    ("data.batch_size=64", "data.batch_size"),
+    ("train.grad_accum=2", "train.grad_accum"),
+    ("train.optimizer=adamw", "train.optimizer"),
+    ("scaling.num_workers=3", "scaling.num_workers"),
+])
+def test_resume_conflicts_name_what_the_checkpoint_depends_on(change, key):
+    from ray_app.config import RESUME_MUST_MATCH, resume_conflicts
+
+    assert key in RESUME_MUST_MATCH
+    saved = load_config(None, []).to_dict()
+    conflicts = resume_conflicts(saved, load_config(None, [change]))
+    assert len(conflicts) == 1 and conflicts[0].startswith(f"{key} ("), conflicts
+    assert "->" in conflicts[0]
+
+
+def test_resume_conflicts_ignore_what_may_change_on_resume():
+    from ray_app.config import resume_conflicts
+
+    saved = load_config(None, []).to_dict()
+    changed = load_config(None, ["train.epochs=50", "train.lr=0.3", "train.max_steps=7", "train.warmup_epochs=2",
+                                 "checkpoint.every_epochs=2", "checkpoint.every_steps=10", "checkpoint.keep=5",
+                                 "checkpoint.upload=async", "failure.max_failures=9", "metrics.enabled=false",
+                                 "data.loader_workers=2", "scaling.cpus_per_worker=2", "run.storage=/elsewhere"])
+    assert resume_conflicts(saved, changed) == []
+    assert resume_conflicts(saved, load_config(None, [])) == []
+
+
+def test_resume_conflicts_read_old_checkpoints_configs():
+    """A checkpoint saved before data.args / task: its data.num_samples is the same run as data.args.num_samples."""
+    from ray_app.config import resume_conflicts
+
+    now = load_config(None, ["data.name=synthetic", "data.args.num_samples=100", "data.args.image_size=16"])
+    old = now.to_dict()
+    del old["task"]
+    old["data"] = {k: v for k, v in old["data"].items() if k != "args"}
+    old["data"].update(num_samples=100, image_size=16)
+    assert resume_conflicts(old, now) == []
+    old["data"]["num_samples"] = 200
+    assert [c.split(" ")[0] for c in resume_conflicts(old, now)] == ["data.args"]

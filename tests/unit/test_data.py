@@ -1,4 +1,8 @@
-"""Data sets: digits split, synthetic sizing, and CIFAR-10 / ImageFolder read from generated on-disk data."""
+"""Built-in data sets: digits split, synthetic sizing, and CIFAR-10 / ImageFolder read from generated on-disk data.
+
+They are plug-ins like any other: ``data.name`` + ``data.args`` (+ ``data.path``) through
+``plugins.build_data``, which also checks what the factory returns.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,14 @@ import pytest
 import torch
 from PIL import Image
 
+from ray_app import data
 from ray_app.config import ConfigError, load_config
-from ray_app.data import build_datasets
+from ray_app.plugins import build_data, validate, validate_local_data
 
 
-def data_cfg(*overrides):
-    return load_config(None, list(overrides)).data
+def build_datasets(*overrides):
+    """(train, eval, info) of the data plug-in the config names, as a worker builds it."""
+    return build_data(load_config(None, list(overrides)))
 
 
 def as_tensors(ds):
@@ -23,9 +29,9 @@ def as_tensors(ds):
 
 
 def test_digits_split_is_deterministic_disjoint_and_normalized():
-    train, ev, info = build_datasets(data_cfg())
+    train, ev, info = build_datasets()
     assert (len(train), len(ev)) == (1438, 359)  # 1797 images, 20% held out
-    assert (info.num_classes, info.channels, info.image_size) == (10, 1, 8)
+    assert (info["num_classes"], info["channels"], info["image_size"]) == (10, 1, 8)
     x_tr, y_tr = train.tensors
     x_ev, y_ev = ev.tensors
     assert x_tr.shape == (1438, 1, 8, 8) and x_tr.dtype == torch.float32
@@ -33,7 +39,7 @@ def test_digits_split_is_deterministic_disjoint_and_normalized():
     assert set(y_ev.tolist()) == set(range(10))
     # same split every time, whatever the global RNG says
     torch.manual_seed(999)
-    train2, ev2, _ = build_datasets(data_cfg("run.seed=7"))
+    train2, ev2, _ = build_datasets("run.seed=7")
     assert torch.equal(ev2.tensors[0], x_ev) and torch.equal(train2.tensors[1], y_tr)
     # disjoint, and together exactly the scikit-learn set
     from sklearn.datasets import load_digits
@@ -47,11 +53,11 @@ def test_digits_split_is_deterministic_disjoint_and_normalized():
 
 
 def test_synthetic_is_sized_by_config_and_reproducible():
-    train, ev, info = build_datasets(data_cfg("data.name=synthetic", "data.num_samples=100", "data.image_size=16"))
+    train, ev, info = build_datasets("data.name=synthetic", "data.args.num_samples=100", "data.args.image_size=16")
     assert (len(train), len(ev)) == (100, 25)
     assert train.tensors[0].shape == (100, 3, 16, 16)
-    assert (info.channels, info.image_size, info.num_classes) == (3, 16, 10)
-    again, _, _ = build_datasets(data_cfg("data.name=synthetic", "data.num_samples=100", "data.image_size=16"))
+    assert (info["channels"], info["image_size"], info["num_classes"]) == (3, 16, 10)
+    again, _, _ = build_datasets("data.name=synthetic", "data.args.num_samples=100", "data.args.image_size=16")
     assert torch.equal(again.tensors[0], train.tensors[0])
     assert not torch.equal(ev.tensors[0][:25], train.tensors[0][:25])
 
@@ -78,9 +84,9 @@ def write_cifar(root, per_batch=6, test=5, seed=0):
 
 def test_cifar10_reads_the_on_disk_format(tmp_path):
     batches = write_cifar(tmp_path)
-    train, ev, info = build_datasets(data_cfg("data.name=cifar10", f"data.path={tmp_path}"))
+    train, ev, info = build_datasets("data.name=cifar10", f"data.path={tmp_path}")
     assert (len(train), len(ev)) == (30, 5)
-    assert (info.num_classes, info.channels, info.image_size) == (10, 3, 32)
+    assert (info["num_classes"], info["channels"], info["image_size"]) == (10, 3, 32)
     x, y = as_tensors(ev)
     assert x.shape == (5, 3, 32, 32) and x.dtype == torch.float32
     assert y.tolist() == batches["test_batch"][1]
@@ -94,19 +100,19 @@ def test_cifar10_reads_the_on_disk_format(tmp_path):
 
 def test_cifar10_missing_folder_or_batch_names_data_path(tmp_path):
     with pytest.raises(ConfigError, match="data.path") as exc:
-        build_datasets(data_cfg("data.name=cifar10", f"data.path={tmp_path}"))
+        build_datasets("data.name=cifar10", f"data.path={tmp_path}")
     assert "cifar-10-batches-py" in str(exc.value)
     write_cifar(tmp_path)
     (tmp_path / "cifar-10-batches-py" / "data_batch_3").unlink()
     with pytest.raises(ConfigError, match="data.path.*data_batch_3"):
-        build_datasets(data_cfg("data.name=cifar10", f"data.path={tmp_path}"))
+        build_datasets("data.name=cifar10", f"data.path={tmp_path}")
 
 
 def test_cifar10_garbage_file_names_data_path(tmp_path):
     write_cifar(tmp_path)
     (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(b"not a pickle")
     with pytest.raises(ConfigError, match="data.path.*test_batch"):
-        build_datasets(data_cfg("data.name=cifar10", f"data.path={tmp_path}"))
+        build_datasets("data.name=cifar10", f"data.path={tmp_path}")
 
 
 def write_imagefolder(root, classes=("cat", "dog", "emu"), per_class=(3, 2), size=(20, 12)):
@@ -120,10 +126,9 @@ def write_imagefolder(root, classes=("cat", "dog", "emu"), per_class=(3, 2), siz
 
 def test_imagefolder_reads_pngs(tmp_path):
     write_imagefolder(tmp_path)
-    train, ev, info = build_datasets(data_cfg("data.name=imagefolder", f"data.path={tmp_path}",
-                                              "data.image_size=16"))
+    train, ev, info = build_datasets("data.name=imagefolder", f"data.path={tmp_path}", "data.args.image_size=16")
     assert (len(train), len(ev)) == (9, 6)
-    assert (info.num_classes, info.channels, info.image_size) == (3, 3, 16)
+    assert (info["num_classes"], info["channels"], info["image_size"]) == (3, 3, 16)
     x, y = as_tensors(ev)
     assert x.shape == (6, 3, 16, 16)
     assert y.tolist() == [0, 0, 1, 1, 2, 2]  # classes sorted by folder name
@@ -134,7 +139,7 @@ def test_imagefolder_reads_pngs(tmp_path):
 def test_imagefolder_missing_split_names_data_path(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     with pytest.raises(ConfigError, match="data.path") as exc:
-        build_datasets(data_cfg("data.name=imagefolder", f"data.path={tmp_path}"))
+        build_datasets("data.name=imagefolder", f"data.path={tmp_path}")
     assert "val/" in str(exc.value)
 
 
@@ -142,17 +147,61 @@ def test_imagefolder_class_mismatch_is_reported(tmp_path):
     write_imagefolder(tmp_path)
     (tmp_path / "val" / "emu").rename(tmp_path / "val" / "owl")
     with pytest.raises(ConfigError, match="data.path"):
-        build_datasets(data_cfg("data.name=imagefolder", f"data.path={tmp_path}"))
+        build_datasets("data.name=imagefolder", f"data.path={tmp_path}")
 
 
 def test_folder_data_sets_need_a_path():
     for name in ("cifar10", "imagefolder"):
         with pytest.raises(ConfigError, match="data.path"):
-            data_cfg(f"data.name={name}")
+            load_config(None, [f"data.name={name}"])
 
 
 def test_imagefolder_without_images_names_data_path(tmp_path):
     (tmp_path / "train" / "a").mkdir(parents=True)
     (tmp_path / "val" / "a").mkdir(parents=True)
     with pytest.raises(ConfigError, match="data.path"):
-        build_datasets(data_cfg("data.name=imagefolder", f"data.path={tmp_path}"))
+        build_datasets("data.name=imagefolder", f"data.path={tmp_path}")
+
+
+def test_builtin_factories_are_plain_functions_of_their_args():
+    """What data.args / data.path become: keyword arguments of the factory (info is a plain dict)."""
+    train, ev, info = data.synthetic(num_samples=8, image_size=4)
+    assert (len(train), len(ev)) == (8, 2) and train.tensors[0].shape == (8, 3, 4, 4)
+    assert info == {"num_classes": 10, "channels": 3, "image_size": 4}
+    tr, ev, info = data.digits()
+    assert (len(tr), len(ev)) == (1438, 359) and info == {"num_classes": 10, "channels": 1, "image_size": 8}
+    # the defaults are the documented ones
+    train, ev, info = data.synthetic()
+    assert (len(train), len(ev), info["image_size"]) == (2048, 512, 32)
+
+
+@pytest.mark.parametrize("args", [["data.args.num_samples=0"], ["data.args.image_size=2"],
+                                  ["data.args.image_size=2048"]])
+def test_synthetic_args_out_of_range_name_data_args(args):
+    with pytest.raises(ConfigError, match="config key data.args"):
+        build_datasets("data.name=synthetic", *args)
+
+
+def test_data_path_is_the_factorys_path_argument(tmp_path):
+    write_imagefolder(tmp_path)
+    # data.args.path and data.path mean the same; data.args wins where both are given
+    a = build_datasets("data.name=imagefolder", f"data.path={tmp_path / 'nowhere'}", f"data.args.path={tmp_path}")
+    b = build_datasets("data.name=imagefolder", f"data.path={tmp_path}")
+    assert len(a[0]) == len(b[0]) == 9
+
+
+def test_data_folder_is_checked_before_ray_when_the_driver_shares_it(tmp_path):
+    """validate_local_data (local Ray): a cifar10/imagefolder data.path laid out wrongly is a one-line
+    ConfigError before any worker starts; digits has no folder to check."""
+    cfg = load_config(None, ["data.name=cifar10", f"data.path={tmp_path}"])
+    validate(cfg)  # the plug-in itself is fine
+    with pytest.raises(ConfigError, match="config key data.path.*cifar-10-batches-py"):
+        validate_local_data(cfg)
+    write_cifar(tmp_path)
+    validate_local_data(cfg)
+    (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
+    with pytest.raises(ConfigError, match="config key data.path.*test_batch"):
+        validate_local_data(cfg)
+    with pytest.raises(ConfigError, match="config key data.path.*val/"):
+        validate_local_data(load_config(None, ["data.name=imagefolder", f"data.path={tmp_path}"]))
+    validate_local_data(load_config(None, []))

@@ -1,19 +1,45 @@
-"""The trainer the kit builds: Ray Train V2 callbacks it keeps and leaves out (no Ray cluster needed)."""
+"""The launch path without a Ray cluster: the trainer the kit builds (callbacks it keeps and leaves out, its
+failure policy), the checks before Ray starts, how a worker turns an error into one the driver shows once,
+and how the driver shows it."""
 
 from __future__ import annotations
 
-from ray_app.config import load_config
-from ray_app.launch import LEAN_DROPPED_CALLBACKS, build_trainer, lean_trainer_class
-from ray_app.storage import open_storage
+import inspect
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+
+from ray_app import launch
+from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+from ray_app.config import ConfigError, load_config
+from ray_app.launch import (
+    LEAN_DROPPED_CALLBACKS,
+    TrainingFailed,
+    UserError,
+    build_trainer,
+    lean_trainer_class,
+    preflight_run,
+    raise_worker_failure,
+    validate_before_ray,
+    worker_main,
+)
+from ray_app.plugins import PluginError, UserCodeError
 
 
 def _callback_names(trainer) -> set[str]:
     return {type(cb).__name__ for cb in trainer._create_default_callbacks()}
 
 
+def _trainer(cfg, job=None, results=None, run_name="r", storage_path="/tmp/x"):
+    return build_trainer(cfg, job or {"mode": "train", "config": cfg.to_dict()}, results, run_name, storage_path)
+
+
 def test_kit_trainer_leaves_out_the_unused_actors(tmp_path):
     cfg = load_config(None, [f"run.storage={tmp_path}"])
-    names = _callback_names(build_trainer(cfg, open_storage(cfg.run.storage)))
+    names = _callback_names(_trainer(cfg, storage_path=str(tmp_path)))
     # what sets up the devices and the process group stays
     assert {"AcceleratorSetupCallback", "BackendSetupCallback"} <= names
     assert not names & set(LEAN_DROPPED_CALLBACKS)
@@ -28,3 +54,238 @@ def test_datasets_keep_their_callback():
     names = _callback_names(with_data)
     assert "DatasetsCallback" in names and "PlacementGroupCleanerCallback" not in names
     assert "PlacementGroupCleanerCallback" in _callback_names(TorchTrainer(lambda: None))
+
+
+def test_one_trainer_for_train_and_eval_carries_the_job(tmp_path):
+    cfg = load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3", "scaling.cpus_per_worker=0.5",
+                             "failure.max_failures=4", "checkpoint.keep=2"])
+    job = {"mode": "eval", "checkpoint": "/some/ckpt", "config": cfg.to_dict(), "project_dir": str(tmp_path)}
+    trainer = _trainer(cfg, job, run_name="eval-x", storage_path=str(tmp_path / "ray"))
+    assert trainer.train_loop_config == job
+    rc = trainer.run_config
+    assert (rc.name, rc.storage_path) == ("eval-x", str(tmp_path / "ray"))
+    assert rc.failure_config.max_failures == 4 and rc.checkpoint_config.num_to_keep == 2
+    sc = trainer.scaling_config
+    assert sc.num_workers == 3 and not sc.use_gpu and sc.resources_per_worker == {"CPU": 0.5}
+
+
+def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
+    """The lean trainer hands Ray's controller a KitFailurePolicy built from the run's FailureConfig."""
+    from ray_app.failure_policy import KitFailurePolicy
+
+    lean = lean_trainer_class()
+    base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
+    # Ray passes the policy by this keyword: the override replaces it (a Ray upgrade that renames it fails here)
+    assert "failure_policy=" in inspect.getsource(base.fit)
+    seen = {}
+    monkeypatch.setattr(base, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw) or "result")
+    cfg = load_config(None, [f"run.storage={tmp_path}", "failure.max_failures=5"])
+    trainer = _trainer(cfg, storage_path=str(tmp_path))
+    assert trainer._initialize_and_run_controller(failure_policy="ray's default", other=1) == "result"
+    assert isinstance(seen["failure_policy"], KitFailurePolicy) and seen["other"] == 1
+    assert seen["failure_policy"].failure_config.max_failures == 5
+
+
+# ---------------------------------------------------------------- the driver shows a worker's failure
+
+class _GroupError(Exception):
+    def __init__(self, text, failures):
+        super().__init__(text)
+        self.worker_failures = failures
+
+
+def test_bad_input_found_by_a_worker_is_one_line():
+    error = _GroupError("Training failed", {1: RuntimeError("lost"),
+                                            0: PluginError("config key data.name: acme returned a list\nmore")})
+    with pytest.raises(UserError) as exc:
+        raise_worker_failure(error)
+    assert str(exc.value) == "config key data.name: acme returned a list"
+
+
+def test_user_code_error_shows_its_traceback_once(capsys):
+    a = UserCodeError("ValueError: bad", "Traceback (most recent call last):\n  File \"acme.py\", line 3\nValueError: bad\n",
+                      "fp", rank=1)
+    b = UserCodeError("ValueError: bad", "other rank's copy\n", "fp", rank=2)
+    with pytest.raises(TrainingFailed) as exc:
+        raise_worker_failure(_GroupError("x", {2: b, 1: a}))
+    assert str(exc.value) == "ValueError: bad (rank 1; traceback above)"
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 1 and "acme.py" in err and "rank 1 raised in your code" in err
+    assert "other rank's copy" not in err
+
+
+def test_other_failures_end_on_their_last_line():
+    with pytest.raises(TrainingFailed, match=r"^RuntimeError: NCCL timeout$"):
+        raise_worker_failure(RuntimeError("Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n"
+                                          "  File \"x.py\", line 1\nRuntimeError: NCCL timeout\n\n"))
+    with pytest.raises(TrainingFailed, match="RuntimeError"):
+        raise_worker_failure(RuntimeError(""))
+
+
+# ---------------------------------------------------------------- before Ray
+
+@pytest.fixture
+def clean_path(monkeypatch):
+    """sys.path as it was, after a test that puts the user's project folder on it."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def _module(folder, source: str) -> str:
+    name = f"userproj_{uuid.uuid4().hex[:8]}"
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    return name
+
+
+def test_user_plugins_are_found_in_the_folder_ray_app_runs_from(tmp_path, monkeypatch, clean_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    name = _module(tmp_path, """
+        from torch import nn
+
+        def Net(num_classes, hidden=4):
+            return nn.Linear(hidden, num_classes)
+    """)
+    monkeypatch.chdir(tmp_path)
+    sys.path[:] = [p for p in sys.path if p not in ("", str(tmp_path))]
+    monkeypatch.delitem(sys.modules, name, raising=False)  # removed again after the test
+    cfg = load_config(None, [f"model.name={name}:Net", "model.args.hidden=8"])
+    validate_before_ray(cfg)
+    assert sys.path[0] == str(tmp_path) and name in sys.modules
+    with pytest.raises(ConfigError, match="config key model.args.hiden"):
+        validate_before_ray(load_config(None, [f"model.name={name}:Net", "model.args.hiden=8"]))
+
+
+def test_data_folder_is_checked_before_ray_only_where_the_driver_shares_it(tmp_path, monkeypatch, clean_path):
+    cfg = load_config(None, ["data.name=cifar10", f"data.path={tmp_path}"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="config key data.path.*cifar-10-batches-py"):
+        validate_before_ray(cfg)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # the workers' files are theirs to check
+    validate_before_ray(cfg)
+
+
+def _saved_run(root, run: str, cfg_overrides: list[str], step: int = 3) -> str:
+    """A committed checkpoint of ``run`` whose config.json is that of ``cfg_overrides``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    saved = load_config(None, cfg_overrides).to_dict()
+    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={}, scaler={},
+                                rng_per_rank=[capture_rng_state()],
+                                state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
+                                config=saved, metrics={"global_step": step})
+    path = root / run / checkpoint_dir_name(step)
+    write_checkpoint_dir(path, payload)
+    return str(root / run)
+
+
+def test_a_run_resumes_only_with_the_config_its_checkpoints_depend_on(tmp_path, clean_path):
+    runs = tmp_path / "runs"
+    _saved_run(runs, "r1", ["model.name=mlp", "model.args.hidden=16"])
+    base = [f"run.storage={runs}", "run.name=r1", "model.name=mlp", "model.args.hidden=16"]
+    preflight_run(load_config(None, [*base, "train.epochs=20", "train.lr=0.5"]))  # may change on resume
+    with pytest.raises(UserError) as exc:
+        preflight_run(load_config(None, [*base, "model.args.hidden=32", "task.name=regression"]))
+    msg = str(exc.value)
+    assert "model.args ({'hidden': 16} -> {'hidden': 32})" in msg and "task.name ('classification' -> 'regression')" in msg
+    assert "run.name" in msg and f"run.resume_from={runs / 'r1'}" in msg and "\n" not in msg
+    preflight_run(load_config(None, [*base, "model.args.hidden=32", "run.name=r2"]))  # a new run is fine
+
+
+def test_resume_from_needs_the_same_model(tmp_path, clean_path):
+    runs = tmp_path / "runs"
+    source = _saved_run(runs, "src", ["model.name=mlp"])
+    ok = load_config(None, [f"run.storage={runs}", "run.name=new", "model.name=mlp", f"run.resume_from={source}",
+                            "train.lr=0.01", "data.batch_size=8"])  # a warm start may change the rest
+    preflight_run(ok)
+    with pytest.raises(UserError, match=r"config key run.resume_from: .* holds another model \(model.name \('mlp' -> 'digits_cnn'\)"):
+        preflight_run(load_config(None, [f"run.storage={runs}", "run.name=new2", f"run.resume_from={source}"]))
+
+
+# ---------------------------------------------------------------- a worker's error
+
+class FakeRayRuntime:
+    """What worker_main needs of RayRuntime, without Ray (rank 1 of 2 on the CPU)."""
+
+    def __init__(self, use_gpu, storage, run, upload_mode):
+        self.storage, self.run = storage, run
+        self.rank, self.world_size, self.local_rank = 1, 2, 1
+        self.device = torch.device("cpu")
+
+    def prepare_model(self, model, bucket_cap_mb=25):
+        raise RuntimeError("the kit's own failure (no user frame)")
+
+    def report(self, *a, **kw):
+        raise AssertionError("not reached")
+
+
+SMALL_DATA = ["data.name=synthetic", "data.args.num_samples=16", "data.args.image_size=4"]
+
+
+@pytest.fixture
+def worker(monkeypatch, tmp_path, clean_path):
+    """worker_main with a fake runtime; the user's code lives in a project folder that is not on sys.path."""
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.setattr(launch, "RayRuntime", FakeRayRuntime)
+    monkeypatch.setattr(launch, "_worker_logging", lambda: None)
+    monkeypatch.setattr(launch._SHOWN_BY_THE_DRIVER, "active", False)
+    monkeypatch.chdir(tmp_path)
+    base = [f"run.storage={tmp_path / 'runs'}", "metrics.enabled=false"]
+
+    def run(source: str, overrides: list[str]):
+        name = _module(project, source)
+        cfg = load_config(None, [*base, *(o.replace("USER", name) for o in overrides)])
+        try:
+            worker_main({"mode": "train", "config": cfg.to_dict(), "project_dir": str(project)})
+        finally:
+            sys.modules.pop(name, None)
+    return run
+
+
+def test_an_exception_in_user_code_becomes_a_user_code_error(worker, tmp_path):
+    with pytest.raises(UserCodeError) as exc:
+        worker("""
+            def helper(hidden):
+                raise ValueError(f"hidden={hidden} is too small")
+
+            def Net(num_classes, hidden=2):
+                return helper(hidden)
+        """, ["model.name=USER:Net", *SMALL_DATA])
+    err = exc.value
+    assert err.rank == 1 and err.summary == "ValueError: hidden=2 is too small" and str(err) == err.summary
+    text = err.traceback_text
+    assert text.startswith("Traceback (most recent call last):\n") and text.rstrip().endswith("hidden=2 is too small")
+    assert "in Net" in text and "in helper" in text
+    assert "launch.py" not in text and "plugins.py" not in text and "loop.py" not in text
+    assert str(tmp_path / "project") in text  # the worker found the code in the project folder
+    assert err.fingerprint.startswith("ValueError|hidden=2 is too small|") and err.fingerprint.endswith("|step -1")
+    assert launch._SHOWN_BY_THE_DRIVER.active  # Ray Train's own log of it is left out: the driver shows it
+
+
+def test_bad_input_from_a_worker_stays_a_config_error(worker):
+    with pytest.raises(PluginError, match="config key data.name: .* returned a TensorDataset"):
+        worker("""
+            import torch
+            from torch.utils.data import TensorDataset
+
+            def build():
+                return TensorDataset(torch.zeros(4, 2))
+        """, ["data.name=USER:build"])
+
+
+def test_a_failure_outside_user_code_is_raised_as_it_is(worker):
+    with pytest.raises(RuntimeError, match="the kit's own failure") as exc:
+        worker("X = 1\n", ["model.name=mlp", *SMALL_DATA])
+    assert not isinstance(exc.value, UserCodeError)
+    assert not launch._SHOWN_BY_THE_DRIVER.active  # the driver shows only its last line: Ray's log keeps it
+
+
+def test_ray_trains_log_of_an_error_the_driver_shows_is_left_out(monkeypatch):
+    import logging
+
+    shown = launch._SHOWN_BY_THE_DRIVER
+    record = logging.LogRecord("ray.train", logging.ERROR, "x.py", 1, "Error in training function:\nTraceback", None, None)
+    other = logging.LogRecord("ray.train", logging.ERROR, "x.py", 1, "Something else", None, None)
+    monkeypatch.setattr(shown, "active", False)
+    assert shown.filter(record) and shown.filter(other)
+    monkeypatch.setattr(shown, "active", True)
+    assert not shown.filter(record) and shown.filter(other)
