@@ -102,7 +102,7 @@ $(K8S_MANIFESTS): k8s-sync
 		  *@*) echo "    newName: $${img%@*}"; echo "    digest: $${img#*@}" ;; \
 		  *) last=$${img##*/}; \
 		     case "$$last" in \
-		       *:*) echo "    newName: $${img%:*}"; echo "    newTag: $${img##*:}" ;; \
+		       *:*) echo "    newName: $${img%:*}"; echo "    newTag: \"$${img##*:}\"" ;; \
 		       *) echo "    newName: $$img"; echo "    newTag: latest" ;; \
 		     esac ;; \
 		esac; \

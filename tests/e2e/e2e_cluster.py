@@ -277,8 +277,10 @@ class Secrets:
 class ContainerCluster:
     """Ray head + N worker containers on a private network, plus moto and Prometheus."""
 
-    def __init__(self, image: str, creds: Secrets, workdir: Path, workers: int | None = None):
+    def __init__(self, image: str, creds: Secrets, workdir: Path, workers: int | None = None,
+                 log_prefix: str = ""):
         self.image, self.creds, self.workdir = image, creds, workdir
+        self.log_prefix = log_prefix  # build/e2e-logs/<prefix>head.log, ...: one module's cluster per prefix
         self.tag = "ray-app-e2e-" + secrets.token_hex(3)
         self.network = self.tag
         self.compose = load_compose()
@@ -296,7 +298,8 @@ class ContainerCluster:
         docker("network", "create", self.network)
         gateway = docker("network", "inspect", self.network, "-f",
                          "{{(index .IPAM.Config 0).Gateway}}").stdout.strip()
-        self.s3 = MotoS3(gateway, self.creds.s3_access_key, self.creds.s3_secret_key, LOG_DIR / "moto.log")
+        self.s3 = MotoS3(gateway, self.creds.s3_access_key, self.creds.s3_secret_key,
+                         LOG_DIR / f"{self.log_prefix}moto.log")
         self.s3.client().create_bucket(Bucket=BUCKET)
         self.targets_dir = self.workdir / "metrics-targets"
         self.targets_dir.mkdir()
@@ -304,7 +307,7 @@ class ContainerCluster:
             os.chown(self.targets_dir, 1000, 1000)
         except PermissionError:  # not root: let anyone write this temp dir
             self.targets_dir.chmod(0o777)
-        self.prometheus = HostPrometheus(self.workdir, self.targets_dir, LOG_DIR / "prometheus.log")
+        self.prometheus = HostPrometheus(self.workdir, self.targets_dir, LOG_DIR / f"{self.log_prefix}prometheus.log")
         self._run_node(self.head, self.head_spec, hostname="head", publish_dashboard=True)
         wait_until(self.head_healthy, 120, interval=1, what="Ray head health check")
         self.dashboard_port = int(docker("port", self.head, "8265/tcp").stdout.split(":")[-1])
@@ -316,7 +319,7 @@ class ContainerCluster:
     def stop(self) -> None:
         for name in [self.head, *self.workers]:
             out = docker("logs", name, check=False, timeout=60)
-            (LOG_DIR / f"{name.split(self.tag + '-')[1]}.log").write_text(out.stdout + out.stderr)
+            (LOG_DIR / f"{self.log_prefix}{name.split(self.tag + '-')[1]}.log").write_text(out.stdout + out.stderr)
         docker("rm", "-f", "-v", self.head, *self.workers, check=False, timeout=120)
         docker("network", "rm", self.network, check=False)
         for service in (self.prometheus, self.s3):
@@ -399,12 +402,16 @@ class ContainerCluster:
                               capture_output=True, text=True, timeout=timeout)
 
     def submit(self, submission_id: str, train_args: list[str], wait: bool = True,
-               timeout: float = 600, **env_kw) -> subprocess.CompletedProcess:
-        args = ["job", "submit", "--address", self.address, "--submission-id", submission_id,
-                "--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES})]
+               timeout: float = 600, config: str = "configs/cluster.yaml", working_dir: bool = True,
+               **env_kw) -> subprocess.CompletedProcess:
+        """`ray job submit ... -- ray-app train --config CONFIG ...`; with ``working_dir`` the repository
+        is uploaded (as `make submit`), without it the job runs only what the image holds."""
+        args = ["job", "submit", "--address", self.address, "--submission-id", submission_id]
+        if working_dir:
+            args += ["--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES})]
         if not wait:
             args.append("--no-wait")
-        args += ["--", "ray-app", "train", "--config", "configs/cluster.yaml", *train_args]
+        args += ["--", "ray-app", "train", "--config", config, *train_args]
         return self.ray(*args, timeout=timeout, **env_kw)
 
     def job_status(self, submission_id: str) -> str:

@@ -154,7 +154,7 @@ class TrainingRun:
         cmd.append("train")
         overrides = {
             "run.name": RUN, "run.storage": str(self.storage),
-            "data.name": "synthetic", "data.num_samples": 4096, "model.name": "mlp",
+            "data.name": "synthetic", "data.args.num_samples": 4096, "model.name": "mlp",
             "train.epochs": 10, "train.log_every_steps": 5,
             "checkpoint.every_steps": 20, "checkpoint.every_epochs": 1,
             "scaling.num_workers": 2, "failure.max_failures": 2,

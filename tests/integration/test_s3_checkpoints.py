@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # a workload that trains for ~10 s: long enough to kill something mid-epoch
 WORKLOAD = [
-    "--set", "data.name=synthetic", "--set", "data.num_samples=1024", "--set", "data.image_size=16",
+    "--set", "data.name=synthetic", "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
     "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", "train.epochs=4",
     "--set", "train.log_every_steps=16", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
 ]
