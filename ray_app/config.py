@@ -104,7 +104,8 @@ class ScalingSection:
 
 @dataclass
 class FailureSection:
-    max_failures: int = _f(3, "Worker-group restarts after failures (-1 = unlimited).", min=-1)
+    max_failures: int = _f(3, "Worker-group restarts after failures (-1 = unlimited); an exception in your own code "
+                           "that recurs at the same step after a restart ends the run sooner.", min=-1)
 
 
 @dataclass

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
@@ -27,3 +31,24 @@ def promtool() -> str:
     if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
         pytest.fail("promtool is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
     pytest.skip("promtool not installed (apt-get install -y prometheus)")
+
+
+def run_cli(args: list[str], env: dict | None = None, timeout: float = 120, cwd: str | os.PathLike | None = None,
+            console_script: bool = False):
+    """Run ``python -m ray_app ARGS`` (or the ``ray-app`` console script, which unlike ``-m`` does not put
+    the working directory on sys.path itself); returns (returncode, stdout, stderr).
+
+    ``env`` entries are added to (not replacing) this process's environment;
+    an entry whose value is None removes that variable (e.g. ``{"RAY_ADDRESS": None}``).
+    ``cwd`` defaults to the repository root, where configs/local.yaml lives.
+    """
+    full_env = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
+    command = [str(Path(sys.executable).parent / "ray-app")] if console_script else [sys.executable, "-m", "ray_app"]
+    proc = subprocess.run([*command, *args], cwd=str(cwd or REPO), env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr

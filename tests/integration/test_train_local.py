@@ -88,8 +88,7 @@ def test_checkpoints_list_and_verify(trained, run_cli):
 
 def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path, run_cli):
     from ray_app.config import load_config
-    from ray_app.data import build_datasets
-    from ray_app.models import build_model
+    from ray_app.plugins import build_data, build_model
 
     _, summary, _ = trained
     rc, out, err = run_cli(["eval", "--checkpoint", summary["checkpoint"]], env=LOCAL_ENV, timeout=600)
@@ -101,8 +100,9 @@ def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path
     exported = tmp_path / "model.pt"
     rc, _, err = run_cli(["checkpoints", "export", summary["checkpoint"], "--out", str(exported)], timeout=120)
     assert rc == 0, err
-    _, ev, info = build_datasets(load_config(None, []).data)
-    model = build_model("digits_cnn", info)
+    cfg = load_config(None, [])
+    _, ev, info = build_data(cfg)
+    model = build_model(cfg, info)
     model.load_state_dict(torch.load(exported, weights_only=True))
     model.eval()
     with torch.no_grad():

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import run_cli
 from tests.integration.user_project import N_EVAL, write_project
 
 pytestmark = pytest.mark.integration
@@ -34,15 +35,7 @@ LOCAL = {"RAY_ADDRESS": None}
 
 def ray_app(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 600):
     """The ``ray-app`` console script (not ``python -m``, which would put the folder on sys.path itself)."""
-    full = dict(os.environ)
-    for k, v in (env or {}).items():
-        if v is None:
-            full.pop(k, None)
-        else:
-            full[k] = v
-    p = subprocess.run([str(BIN / "ray-app"), *args], cwd=cwd, env=full, capture_output=True, text=True,
-                       timeout=timeout)
-    return p.returncode, p.stdout, p.stderr
+    return run_cli(args, env=env, timeout=timeout, cwd=cwd, console_script=True)
 
 
 def summary_of(stdout: str) -> dict:
