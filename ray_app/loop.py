@@ -483,9 +483,10 @@ class Trainer:
                 raise PluginError(f"config key task.name: {self.cfg.task.name}.loss(model, batch) returned "
                                   f"{_describe(out)}; it must return (mean_loss, num_samples) with mean_loss a "
                                   "scalar tensor that requires grad")
-            if not isinstance(n, (int, torch.Tensor)) or isinstance(n, bool) or int(n) <= 0:
+            if not isinstance(n, (int, float, torch.Tensor)) or isinstance(n, bool) or \
+                    (isinstance(n, torch.Tensor) and n.numel() != 1) or float(n) <= 0:
                 raise PluginError(f"config key task.name: {self.cfg.task.name}.loss returned num_samples={n!r}; "
-                                  "it must be a positive int (the samples the mean is over)")
+                                  "it must be a positive number (the samples the mean is over)")
             self._loss_checked = True
         return loss.reshape(()), n
 

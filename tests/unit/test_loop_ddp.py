@@ -479,3 +479,89 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(trainer_runs, nam
     assert newest is not None and int(newest[len("ckpt-s"):].split("-")[0]) == ref["summary"]["global_step"]
     assert resumed["summary"]["checkpoint"] == storage.uri(name, newest)
     assert resumed["summary"]["checkpoints_written"] >= 1 and resumed["summary"]["checkpoint_blocked_seconds"] > 0
+
+
+# ---------------------------------------------------------------- any batch structure, a collate_fn of the data's
+
+class _Records(torch.utils.data.Dataset):
+    """Items are dicts holding a tensor and a tuple; the data's own collate_fn nests them further."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(n)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "extra": (self.y[i], i)}
+
+
+def collate_records(items):
+    return {"inputs": {"x": torch.stack([it["x"] for it in items])},
+            "target": [torch.stack([it["extra"][0] for it in items])], "ids": [it["extra"][1] for it in items]}
+
+
+def nested_data():
+    """A data plug-in handing over its collate_fn in info (used by name: tests.unit.test_loop_ddp:nested_data)."""
+    return _Records(40), _Records(13), {"num_features": 4, "collate_fn": collate_records}
+
+
+class NestedTask:
+    """Checks what reaches it: the collated structure, tensors on the runtime's device."""
+
+    def __init__(self):
+        self.batches = 0
+
+    def _split(self, model, batch):
+        assert set(batch) == {"inputs", "target", "ids"} and isinstance(batch["ids"], list)
+        x, (y,) = batch["inputs"]["x"], batch["target"]
+        assert x.device.type == y.device.type == "cpu" and x.shape[1] == 4
+        self.batches += 1
+        return model(x), y
+
+    def loss(self, model, batch):
+        logits, y = self._split(model, batch)
+        return F.cross_entropy(logits, y), len(y)
+
+    def evaluate(self, model, batch):
+        logits, y = self._split(model, batch)
+        return {"hits": (logits.argmax(1) == y).double()}
+
+
+def _nested_worker(rank: int, world: int, port: int, out: str) -> None:
+    _init(rank, world, port)
+    cfg = load_config(None, ["data.name=tests.unit.test_loop_ddp:nested_data", "data.batch_size=4",
+                             "model.name=torch.nn:Linear", "model.args={in_features: 4, out_features: 2}",
+                             "task.name=tests.unit.test_loop_ddp:NestedTask", "train.epochs=1", "metrics.enabled=false"]
+                      + NO_CKPT + [f"run.storage={out}"])
+    rt = FakeRuntime(rank, world)
+    parts = build_parts(cfg, rt)
+    checkpointer = Checkpointer(LocalStorage(cfg.run.storage), cfg.run.name, rt.report, every_epochs=0, every_steps=0)
+    summary = Trainer(cfg, rt, parts, checkpointer, RecordingMetrics()).fit()
+    torch.save({"summary": summary, "collate": parts.train_loader.collate_fn.__name__ == "collate_records",
+                "batches": parts.task.batches}, os.path.join(out, f"rank{rank}.pt"))
+    _finish()
+
+
+def test_nested_batches_and_the_datas_collate_fn_reach_the_task(tmp_path, port_picker):
+    _spawn(_nested_worker, 2, port_picker(), str(tmp_path))
+    ranks = _load_ranks(tmp_path, 2)
+    assert all(r["collate"] for r in ranks)
+    # 20 train samples per rank in batches of 4 (5 steps), eval 7 per rank (13 padded to 14) in 2 batches, twice
+    assert [r["batches"] for r in ranks] == [5 + 2 + 2] * 2
+    assert ranks[0]["summary"]["num_samples"] == 13 and 0 <= ranks[0]["summary"]["eval_hits"] <= 1
+
+
+def test_to_device_moves_every_tensor_of_any_structure():
+    from collections import namedtuple
+
+    from ray_app.loop import first_dim, to_device
+
+    Pair = namedtuple("Pair", "a b")
+    batch = {"x": torch.zeros(3, 2), "rest": [Pair(torch.ones(3), "label"), (torch.arange(3), 7)]}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["x"].device.type == "meta" and isinstance(moved["rest"][0], Pair)
+    assert moved["rest"][0].a.device.type == "meta" and moved["rest"][0].b == "label"
+    assert moved["rest"][1][0].device.type == "meta" and moved["rest"][1][1] == 7
+    assert first_dim(batch) == 3 and first_dim([("no tensors",)]) == 0
