@@ -347,8 +347,13 @@ def preflight_run(cfg: Config):
     return storage
 
 
+CHECKPOINT_PREFIX = "ckpt-s"  # = ray_app.checkpoint.PREFIX (a unit test checks), known here without torch
+
+
 def _check_resume(cfg: Config, storage) -> None:
     """A run resumes only with the config its checkpoints depend on (config.RESUME_MUST_MATCH)."""
+    if not any(d.startswith(CHECKPOINT_PREFIX) for d in storage.list_dirs(cfg.run.name)):
+        return  # a new run: ray_app.checkpoint (torch, seconds of the driver's start-up) is not imported
     from ray_app.checkpoint import newest_committed_config
     from ray_app.config import resume_conflicts
 

@@ -289,3 +289,18 @@ def test_ray_trains_log_of_an_error_the_driver_shows_is_left_out(monkeypatch):
     assert shown.filter(record) and shown.filter(other)
     monkeypatch.setattr(shown, "active", True)
     assert not shown.filter(record) and shown.filter(other)
+
+
+def test_a_new_run_is_checked_without_importing_torch(tmp_path):
+    """The resume check of a run without checkpoints reads no checkpoint module (torch costs the driver seconds)."""
+    import subprocess
+    import sys
+
+    from ray_app import checkpoint, launch
+
+    assert launch.CHECKPOINT_PREFIX == checkpoint.PREFIX
+    code = ("import sys; from ray_app.config import load_config; from ray_app.launch import preflight_run; "
+            f"preflight_run(load_config(None, ['run.storage={tmp_path}'])); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
