@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmarks (issue 7): cases (a) throughput, (c) time to first step, (d) checkpoint cost,
+# GPU benchmarks: cases (a) throughput, (c) time to first step, (d) checkpoint cost,
 # on ONE GPU with ONE worker and bf16 -- the kit (`ray-app train --set scaling.use_gpu=true
 # --set scaling.num_workers=1 --set train.amp=true`) against a bare single-process loop
 # (bench/twin.py --device cuda) -- reporting samples/s and model FLOP utilization (MFU:

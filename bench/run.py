@@ -4,7 +4,7 @@
     python bench/run.py --smoke         # every case once at tiny size; checks the outputs are well-formed
     python bench/run.py --cases a,c --rounds 5
 
-Cases (issue 7): (a) steady-state samples/s, compute-bound; (b) communication-bound;
+Cases: (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
 (g) metrics exporter on vs off; (v, not in the default set) start-up experiments
