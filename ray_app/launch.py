@@ -3,7 +3,7 @@
 Driver side: connect to ``RAY_ADDRESS`` (or start a local Ray sized to the
 machine), check the cluster can hold the workers, build Scaling / Run /
 Failure / Checkpoint configs, run, and turn the result into the summary.
-Worker side: ``worker_main`` (train and eval) enters the user's project folder,
+Worker side: ``worker_main`` (train, eval, and a script for `ray-app run`) enters the user's project folder,
 builds the runtime, checkpointer and metrics sink the loop is given, and turns an
 exception in the user's code into one the driver shows once.
 """
@@ -165,8 +165,9 @@ def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dic
 
 
 def worker_main(job: dict, results=None) -> None:
-    """Entry point of every Ray Train worker, for ``train`` and ``eval``. Rank 0 puts its result on
-    ``results`` (a Ray queue on the driver's node).
+    """Entry point of every Ray Train worker, for ``train``, ``eval`` and ``run`` (mode ``script``: the
+    user's own script, see ``ray_app.script``). Rank 0 puts its result on ``results`` (a Ray queue on the
+    driver's node).
 
     An exception raised in the user's plug-in code is re-raised as a ``UserCodeError`` that carries its
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
@@ -183,12 +184,16 @@ def worker_main(job: dict, results=None) -> None:
     runtime = RayRuntime(cfg.scaling.use_gpu, open_storage(cfg.run.storage), cfg.run.name, cfg.checkpoint.upload)
     trainer = None
     try:
-        if job["mode"] == "eval":
+        if job["mode"] == "script":
+            from ray_app.script import run_in_worker
+
+            result = run_in_worker(job, runtime)  # the script's own errors come back as UserCodeError
+        elif job["mode"] == "eval":
             result, trainer = _eval(cfg, runtime, stats, job["checkpoint"])
         else:
             result, trainer = _train(cfg, runtime, stats)
     except Exception as exc:
-        if isinstance(exc, ConfigError):
+        if isinstance(exc, (ConfigError, UserCodeError)):
             _SHOWN_BY_THE_DRIVER.active = True
             raise
         pos = getattr(trainer, "pos", None)
