@@ -1,4 +1,4 @@
-# Kubernetes (KubeRay): kind on a laptop, and any cluster with KubeRay >= 1.5.1.
+# Kubernetes (KubeRay): kind on a laptop, and any cluster with KubeRay >= 1.6.0.
 # Included by the Makefile, whose IMAGE it uses. docs/kubernetes.md walks
 # through both paths. Manifests: k8s/ (kustomize base + overlays, monitoring).
 

@@ -17,7 +17,7 @@ command -v "${KUBECTL%% *}" >/dev/null || { echo "deploy: kubectl not found" >&2
 echo "==> context $($KUBECTL config current-context 2>/dev/null || echo '?'), namespace $K8S_NAMESPACE"
 if ! $KUBECTL get crd rayjobs.ray.io >/dev/null 2>&1; then
   echo "deploy: the KubeRay CRDs are not installed in this cluster; on kind run 'make kind-up'," \
-       "elsewhere install the KubeRay operator >= 1.5.1 (docs/kubernetes.md)" >&2
+       "elsewhere install the KubeRay operator >= 1.6.0 (docs/kubernetes.md)" >&2
   exit 2
 fi
 
