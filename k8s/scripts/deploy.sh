@@ -2,9 +2,12 @@
 # `make deploy`: apply the manifests `make render` prints to the current
 # kubectl context. Usage: deploy.sh MANIFESTS_FILE
 #   1. checks that the KubeRay CRDs are installed
-#   2. the namespace, then the Ray auth-token Secret when the manifests use
-#      one (authOptions.secretName) and it is missing: random, never printed
-#   3. the manifests; then k8s/monitoring when the prometheus-operator CRDs exist
+#   2. the namespace K8S_NAMESPACE (k8s/namespace, renamed), which must be the
+#      namespace the manifests were rendered for (`make deploy` does both)
+#   3. the Ray auth-token Secret in it when the manifests use one
+#      (authOptions.secretName) and it is missing: random, never printed
+#   4. the manifests; then k8s/monitoring in the same namespace when the
+#      prometheus-operator CRDs exist
 set -euo pipefail
 
 manifests=${1:?usage: deploy.sh MANIFESTS_FILE}
@@ -21,7 +24,13 @@ if ! $KUBECTL get crd rayjobs.ray.io >/dev/null 2>&1; then
   exit 2
 fi
 
-$KUBECTL apply -f k8s/base/namespace.yaml
+rendered_ns=$(sed -n 's/^  namespace: //p' "$manifests" | sort -u)
+if [ "$rendered_ns" != "$K8S_NAMESPACE" ]; then
+  echo "deploy: $manifests is rendered for namespace(s) '$(echo $rendered_ns)', not K8S_NAMESPACE=$K8S_NAMESPACE;" \
+       "render and deploy with the same K8S_NAMESPACE (make deploy K8S_NAMESPACE=...)" >&2
+  exit 2
+fi
+KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/namespace build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 
 if grep -q "secretName: $AUTH_SECRET" "$manifests" &&
    ! $KUBECTL -n "$K8S_NAMESPACE" get secret "$AUTH_SECRET" >/dev/null 2>&1; then
@@ -41,7 +50,7 @@ fi
 $KUBECTL apply -f "$manifests"
 
 if $KUBECTL get crd podmonitors.monitoring.coreos.com prometheusrules.monitoring.coreos.com >/dev/null 2>&1; then
-  $KUBECTL kustomize k8s/monitoring | $KUBECTL apply -f -
+  KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/monitoring build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 else
   echo "note: no prometheus-operator CRDs: PodMonitors, rules and dashboard (k8s/monitoring) skipped"
 fi

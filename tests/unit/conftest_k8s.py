@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 # Every kustomization a user (or `make`) renders.
-KUSTOMIZATIONS = ["base", *(f"overlays/{o}" for o in OVERLAYS), "monitoring", "kind/minio"]
+KUSTOMIZATIONS = ["namespace", "base", *(f"overlays/{o}" for o in OVERLAYS), "monitoring", "kind/minio"]
 DEPLOYABLE = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 NAMESPACE = "ray-app"
 APP_LABEL = {"app.kubernetes.io/name": "ray-app"}
