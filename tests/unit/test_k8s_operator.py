@@ -91,3 +91,35 @@ def test_the_minimum_kubernetes_operator_is_stated_the_same_everywhere():
 def test_kind_up_pins_an_operator_at_least_the_minimum():
     pinned = re.search(r"KUBERAY_VERSION \?= (\S+)", (REPO / "mk" / "k8s.mk").read_text()).group(1)
     assert as_tuple(pinned) >= as_tuple(KUBERAY_MINIMUM)
+
+
+# The most time one RayJob may hold its cluster, all attempts together.
+TIME_BUDGET_S = {"base": 24 * 3600, "overlays/gpu": 24 * 3600, "overlays/kind-cpu": 3600}
+
+
+@pytest.mark.parametrize("rel", DEPLOYABLE)
+def test_the_deadline_budget_covers_every_retry(rel):
+    """rayjob_controller.go: a retry goes Retrying -> New, and the next
+    initRayJobStatusIfNeed sets Status.StartTime again, which
+    checkActiveDeadlineAndUpdateStatusIfNeeded measures from. So the worst
+    case is (backoffLimit + 1) x activeDeadlineSeconds."""
+    spec = one(render(rel), "RayJob")["spec"]
+    attempts = spec.get("backoffLimit", 0) + 1
+    assert spec["activeDeadlineSeconds"] * attempts <= TIME_BUDGET_S[rel], (
+        f"{rel}: {attempts} attempts x {spec['activeDeadlineSeconds']} s exceed the budget of {TIME_BUDGET_S[rel]} s")
+
+
+@pytest.mark.parametrize("rel", DEPLOYABLE)
+def test_an_attempt_that_never_runs_fails_early(rel):
+    """checkPreRunningDeadlineAndUpdateStatusIfNeeded (1.6+) fails an attempt
+    that is not Running preRunningDeadlineSeconds after StartTime."""
+    spec = one(render(rel), "RayJob")["spec"]
+    pre = spec.get("preRunningDeadlineSeconds")
+    assert pre and 0 < pre <= spec["activeDeadlineSeconds"] / 2, f"{rel}: preRunningDeadlineSeconds {pre}"
+
+
+def test_docs_say_what_a_retry_costs_and_where_a_failed_attempts_logs_go():
+    text = " ".join((REPO / "docs" / "kubernetes.md").read_text().split())
+    assert "(backoffLimit + 1) x activeDeadlineSeconds" in text
+    assert "preRunningDeadlineSeconds" in text
+    assert "### Logs of a failed attempt" in (REPO / "docs" / "kubernetes.md").read_text()
