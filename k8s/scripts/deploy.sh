@@ -39,8 +39,8 @@ if grep -q "secretName: $AUTH_SECRET" "$manifests" &&
   echo "created Secret $K8S_NAMESPACE/$AUTH_SECRET (a random Ray auth token, not printed)"
 fi
 if ! $KUBECTL -n "$K8S_NAMESPACE" get secret ray-app-s3 >/dev/null 2>&1; then
-  echo "note: no Secret $K8S_NAMESPACE/ray-app-s3; the pods use IRSA / workload identity or an" \
-       "instance role for S3 (create it as docs/kubernetes.md shows otherwise)"
+  echo "note: no Secret $K8S_NAMESPACE/ray-app-s3; the pods need IRSA, EKS Pod Identity or an EC2" \
+       "instance role for S3, the last two with their egress component (docs/kubernetes.md, \"S3 credentials\")"
 fi
 if $KUBECTL -n "$K8S_NAMESPACE" get rayjob "$RAYJOB" >/dev/null 2>&1; then
   echo "note: RayJob $RAYJOB already exists; a finished job does not start again." \
