@@ -6,8 +6,9 @@
 #      namespace the manifests were rendered for (`make deploy` does both)
 #   3. the Ray auth-token Secret in it when the manifests use one
 #      (authOptions.secretName) and it is missing: random, never printed
-#   4. the manifests; then k8s/monitoring in the same namespace when the
-#      prometheus-operator CRDs exist
+#   4. k8s/admission (cluster-scoped: the ServiceAccount may change no pod
+#      but for the metrics label), then the manifests; then k8s/monitoring in
+#      the same namespace when the prometheus-operator CRDs exist
 set -euo pipefail
 
 manifests=${1:?usage: deploy.sh MANIFESTS_FILE}
@@ -47,6 +48,7 @@ if $KUBECTL -n "$K8S_NAMESPACE" get rayjob "$RAYJOB" >/dev/null 2>&1; then
        "'make undeploy deploy' starts a new attempt (the same run.name resumes from S3)"
 fi
 
+KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/admission build/k8s/admission "" "" | $KUBECTL apply -f -
 $KUBECTL apply -f "$manifests"
 
 if $KUBECTL get crd podmonitors.monitoring.coreos.com prometheusrules.monitoring.coreos.com >/dev/null 2>&1; then

@@ -24,7 +24,7 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomiz
 COMPONENTS = sorted(p.parent.name for p in (K8S / "components").glob("*/kustomization.yaml"))
 COMPOSED = [f"overlays/gpu+components/{c}" for c in COMPONENTS]
 # Every kustomization a user (or `make`) renders.
-KUSTOMIZATIONS = ["namespace", "base", *(f"overlays/{o}" for o in OVERLAYS), *COMPOSED, "monitoring", "kind/minio"]
+KUSTOMIZATIONS = ["namespace", "admission", "base", *(f"overlays/{o}" for o in OVERLAYS), *COMPOSED, "monitoring", "kind/minio"]
 DEPLOYABLE = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 NAMESPACE = "ray-app"
 APP_LABEL = {"app.kubernetes.io/name": "ray-app"}

@@ -25,9 +25,10 @@ from conftest_k8s import (  # noqa: E402
     strict_schema,
 )
 
-# The oldest Kubernetes the manifests promise to work on, and a recent one
+# The oldest Kubernetes the manifests promise to work on (ValidatingAdmissionPolicy
+# is GA from 1.30), and a recent one
 # (kubernetes-validate ships schemas up to 1.37).
-K8S_VERSIONS = ["1.29.0", "1.33.0"]
+K8S_VERSIONS = ["1.30.0", "1.33.0"]
 
 
 def validate_core(obj: dict, version: str) -> None:

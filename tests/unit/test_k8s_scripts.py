@@ -228,7 +228,10 @@ def test_another_namespace_reaches_every_object_and_every_secret(fakes, overlay)
     kit = [o for o in objs if o["metadata"].get("labels", {}).get("app.kubernetes.io/name") == "ray-app"]
     namespaces = {o["metadata"]["name"] for o in kit if o["kind"] == "Namespace"}
     assert namespaces == {OTHER_NS}
-    assert {o["metadata"].get("namespace") for o in kit if o["kind"] != "Namespace"} == {OTHER_NS}
+    cluster_scoped = {"Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    assert {o["metadata"].get("namespace") for o in kit if o["kind"] not in cluster_scoped} == {OTHER_NS}
+    assert not [o for o in kit if o["kind"] in cluster_scoped and o["metadata"].get("namespace")]
+    assert "ValidatingAdmissionPolicy" in {o["kind"] for o in kit}
     assert {"RayJob", "PodMonitor", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy"} <= {o["kind"] for o in kit}
     for o in kit:
         if o["kind"] == "RoleBinding":
