@@ -155,3 +155,15 @@ def test_docs_claim_the_credential_sources_that_work_and_how():
     assert "GKE Workload Identity" in section and "not a credential source" in section
     for path in (K8S / "scripts" / "deploy.sh", REPO / "README.md"):
         assert "workload identity" not in path.read_text().lower(), f"{path.name} still promises workload identity"
+
+
+def test_docs_say_where_network_policies_may_not_hold_and_how_to_check():
+    """A NetworkPolicy the plugin ignores is accepted without an error: the
+    docs name the cases and give a check a user can run."""
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    assert "### Where NetworkPolicies may not hold" in docs
+    section = docs.split("### Where NetworkPolicies may not hold", 1)[1].split("\n## ", 1)[0]
+    for needle in ("kindnet", "nfnetlink_queue", "without NetworkPolicy support", "6379", "kubectl -n ray-app run"):
+        assert needle in section, needle
+    kind_cluster = " ".join((K8S / "kind" / "cluster.yaml").read_text().split())
+    assert "kindnet, enforces NetworkPolicy)" not in kind_cluster and "nfnetlink_queue" in kind_cluster
