@@ -38,7 +38,7 @@ kind-load: ## Load a rebuilt IMAGE into the kind cluster's nodes
 	kind load docker-image $(IMAGE) --name $(KIND_CLUSTER)
 
 .PHONY: render
-render: $(K8S_MANIFESTS) ## Print the manifests of OVERLAY (kind-cpu|gpu) with IMAGE and K8S_NAMESPACE, exactly as deploy applies them
+render: $(K8S_MANIFESTS) ## Print the RayJob manifests of OVERLAY (kind-cpu|gpu) with IMAGE and K8S_NAMESPACE, as deploy applies them (deploy also applies the namespace, admission policy and monitoring)
 	@cat $(K8S_MANIFESTS)
 
 .PHONY: deploy
