@@ -452,6 +452,11 @@ class Checkpointer:
         self._pending_blocked = time.perf_counter() - t0
         return None if self.staged else self.settle()
 
+    def wait_committed(self) -> None:
+        """Until the newest checkpoint's upload has ended (a staged one uploads in the background)."""
+        if self._uploaded is not None:
+            self._uploaded.wait()
+
     def settle(self) -> float | None:
         """Wait until a staged snapshot no longer needs the live state; account the checkpoint.
 

@@ -116,7 +116,7 @@ def launch_script(cfg: Config, script: str, args: list[str]) -> dict:
 
     if cfg.run.name == BUILTIN_RUN_NAME:
         cfg.run.name = default_run_name(script)
-    storage = open_storage(cfg.run.storage)
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
     preflight(storage)
     storage_path, fs = storage.ray_storage()
     t0 = time.perf_counter()
