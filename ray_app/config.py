@@ -237,7 +237,7 @@ def parse_override(text: str) -> dict:
     if len(parts) > 2 and all(parts) and _field(parts[0], parts[1]) is not None \
             and _field(parts[0], parts[1]).type == "dict":
         # section.args.name=value (or deeper): one keyword argument of a plug-in, a YAML scalar
-        value: Any = _yaml_scalar(raw)
+        value: Any = _yaml_scalar(raw, text, key.strip())
         for name in reversed(parts[2:]):
             value = {name: value}
         return {parts[0]: {parts[1]: value}}
@@ -246,12 +246,12 @@ def parse_override(text: str) -> dict:
     fld = _field(parts[0], parts[1])
     if fld is not None and fld.type == "str":
         return {parts[0]: {parts[1]: raw.strip()}}  # taken as written: run.name=007 stays "007"
-    return {parts[0]: {parts[1]: _yaml_scalar(raw)}}
+    return {parts[0]: {parts[1]: _yaml_scalar(raw, text, key.strip())}}
 
 
-def _yaml_scalar(raw: str) -> Any:
+def _yaml_scalar(raw: str, text: str, key: str) -> Any:
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw, f"--set {text}", key) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return "" if value is None else value
@@ -274,20 +274,79 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError("config key scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
 
 
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The YAML tree of a config file: UTF-8, valid YAML, no key given twice."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file; pass an existing YAML file (see configs/)")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror}); check its permissions") from None
+    try:
+        return parse_yaml(_utf8_text(data, path), f"--config {path}") or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"--config {path}:{where} is not valid YAML; fix the syntax") from None
+
+
+def _utf8_text(data: bytes, path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"--config {path}: byte {exc.start} (line {line}, 0x{data[exc.start]:02x}) is not UTF-8; "
+                          "save the file as UTF-8") from None
+
+
+def parse_yaml(text: str, origin: str, key: str = "") -> Any:
+    """``yaml.safe_load``, except that a mapping giving one key twice is a ConfigError (PyYAML keeps the last).
+    Syntax errors raise ``yaml.YAMLError``."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _reject_duplicate_keys(node, origin, key, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *base` then a key of base: an override, not a duplicate
+
+
+def _reject_duplicate_keys(node: yaml.Node, origin: str, path: str, seen_nodes: set) -> None:
+    if id(node) in seen_nodes:  # an alias of a node already checked (possibly recursive)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _reject_duplicate_keys(item, origin, f"{path}[{i}]", seen_nodes)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        named = isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG
+        key = f"{path}.{key_node.value}" if path and named else (key_node.value if named else path)
+        if named and key in lines:
+            raise ConfigError(f"{origin}: key {key} is given twice ({_lines(lines[key], key_node.start_mark.line + 1)}); "
+                              "keep one of them")
+        if named:
+            lines[key] = key_node.start_mark.line + 1
+        _reject_duplicate_keys(value_node, origin, key, seen_nodes)
+
+
+def _lines(first: int, second: int) -> str:
+    return f"lines {first} and {second}" if first != second else f"line {first}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated once."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config {path}: no such file; pass an existing YAML file (see configs/)")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"--config {path}:{where} is not valid YAML; fix the syntax") from None
-        _apply(cfg, tree, str(path))
+        _apply(cfg, read_config_file(path), str(path))
     _apply_overrides(cfg, overrides or [])
     _check_cross_field(cfg)
     _absolute_local_paths(cfg)

@@ -107,6 +107,26 @@ def test_malformed_yaml_exits_2(run_cli, tmp_path):
     assert str(bad) in one_error_line(err)
 
 
+@pytest.mark.parametrize("command", ["train", "preflight"])
+def test_a_key_given_twice_exits_2_naming_file_key_and_lines(run_cli, tmp_path, command):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  epochs: 2\n  epochs: 0\n")  # were the first one dropped, 0 would fail another way
+    rc, out, err = run_cli([command, "--config", str(dup)], cwd=tmp_path, timeout=60)
+    assert rc == 2, (out, err)
+    line = one_error_line(err)
+    assert str(dup) in line and "train.epochs" in line and "lines 2 and 3" in line
+    assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["dup.yaml"]
+
+
+def test_a_config_that_is_not_utf8_exits_2(run_cli, tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("run:\n  name: caf".encode() + b"\xe9\n")
+    rc, _, err = run_cli(["train", "--config", str(bad)], cwd=tmp_path, timeout=60)
+    assert rc == 2
+    line = one_error_line(err)
+    assert str(bad) in line and "byte 16" in line and "UTF-8" in line
+
+
 def test_missing_config_file_exits_2(run_cli, tmp_path):
     rc, out, err = run_cli(["train", "--config", str(tmp_path / "nope.yaml")], cwd=tmp_path, timeout=60)
     assert rc == 2

@@ -126,6 +126,50 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
     assert str(f) in str(exc.value) and "line" in str(exc.value)
 
 
+@pytest.mark.parametrize("text, key, lines", [
+    ("train:\n  epochs: 2\n  epochs: 3\n", "train.epochs", "lines 2 and 3"),
+    ("train:\n  epochs: 2\nrun: {}\ntrain:\n  lr: 0.1\n", "key train ", "lines 1 and 4"),
+    ("model:\n  args:\n    opt: {beta: 0.9, beta: 0.5}\n", "model.args.opt.beta", "line 3"),
+    ("data:\n  args:\n    sizes:\n      - {a: 1}\n      - {a: 1,\n         a: 2}\n", "data.args.sizes[1].a", "lines 5 and 6"),
+])
+def test_a_key_given_twice_in_yaml_names_file_key_and_lines(tmp_path, text, key, lines):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, [])
+    msg = str(exc.value)
+    assert str(f) in msg and key in msg and lines in msg and "twice" in msg and "\n" not in msg
+
+
+def test_yaml_merge_keys_override_without_being_duplicates(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  args:\n    <<: {hidden: 8, depth: 2}\n    hidden: 16\n")
+    assert load_config(f, []).model.args == {"hidden": 16, "depth": 2}
+
+
+def test_a_key_given_twice_in_a_set_value():
+    with pytest.raises(ConfigError, match=r"--set .*model\.args\.a is given twice"):
+        load_config(None, ["model.args={a: 1, a: 2}"])
+
+
+def test_a_file_that_is_not_utf8_names_the_byte_and_the_fix(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes("run:\n  name: caf".encode() + b"\xe9\n")  # Latin-1
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, [])
+    msg = str(exc.value)
+    assert str(f) in msg and "byte 16" in msg and "line 2" in msg and "save the file as UTF-8" in msg
+
+
+def test_utf8_text_and_a_byte_order_mark_are_read(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes("\ufeffrun:\n  name: café\n".encode())
+    with pytest.raises(ConfigError, match="run.name"):  # read as text, then rejected as a run name
+        load_config(f, [])
+    f.write_bytes("\ufeff# données\ntrain:\n  epochs: 4\n".encode())
+    assert load_config(f, []).train.epochs == 4
+
+
 def test_section_that_is_not_a_mapping(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train: 5\n")
