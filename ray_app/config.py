@@ -31,6 +31,8 @@ def _f(default, help: str, choices=None, min=None, max=None, nullable=False):
 
 @dataclass
 class RunSection:
+    """The run: its name, seed and where its checkpoints live."""
+
     name: str = _f("digits-ddp", "Run name: checkpoints live under {storage}/{name}/; the same name resumes.")
     seed: int = _f(0, "Seed for model init, data order and every rank's RNG.", min=0)
     storage: str = _f("./runs", "Where runs live: a local folder or s3://bucket/prefix.")
@@ -44,6 +46,8 @@ def _args(help: str):
 
 @dataclass
 class DataSection:
+    """The data set plug-in, its arguments and the loaders."""
+
     name: str = _f("digits", "Data set: digits, synthetic, cifar10, imagefolder, or your own factory "
                    "package.module:function returning (train, eval) or (train, eval, info).")
     args: dict = _args("Keyword arguments of the data factory (synthetic: num_samples, image_size; "
@@ -56,6 +60,8 @@ class DataSection:
 
 @dataclass
 class ModelSection:
+    """The model plug-in and its arguments."""
+
     name: str = _f("digits_cnn", "Model: digits_cnn, mlp, wide_mlp, a torchvision classifier (resnet18, ...), "
                    "or your own package.module:Class (an nn.Module class or a function returning one).")
     args: dict = _args("Keyword arguments of the model; entries of the data's info (num_classes, ...) fill "
@@ -64,6 +70,8 @@ class ModelSection:
 
 @dataclass
 class TaskSection:
+    """The task plug-in (loss and eval metrics) and its arguments."""
+
     name: str = _f("classification", "Task (loss and eval metrics): classification, regression, language_model, "
                    "or your own package.module:Class with loss(model, batch) and evaluate(model, batch).")
     args: dict = _args("Keyword arguments of the task (classification: label_smoothing).")
@@ -71,6 +79,8 @@ class TaskSection:
 
 @dataclass
 class TrainSection:
+    """Optimisation: epochs, optimizer, LR schedule, accumulation, clipping, precision."""
+
     epochs: int = _f(10, "Number of epochs.", min=1)
     lr: float = _f(0.05, "Peak learning rate (after warmup).", min=0.0)
     optimizer: str = _f("sgd", "Optimizer.", choices=["sgd", "adamw"])
@@ -87,6 +97,8 @@ class TrainSection:
 
 @dataclass
 class CheckpointSection:
+    """When checkpoints are written, how many are kept, how they are uploaded."""
+
     every_epochs: int = _f(1, "Checkpoint every N epochs (0 = never at epoch ends).", min=0)
     every_steps: int = _f(0, "Also checkpoint every N optimizer steps, mid-epoch included (0 = off).", min=0)
     keep: int = _f(3, "Newest committed checkpoints kept (older ones deleted).", min=1)
@@ -96,6 +108,8 @@ class CheckpointSection:
 
 @dataclass
 class ScalingSection:
+    """Training workers and the resources each one reserves."""
+
     num_workers: int = _f(2, "Training workers (one per GPU, or CPU slot).", min=1)
     use_gpu: bool = _f(False, "Train on GPUs with NCCL (else CPU with Gloo).")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker.", min=0.0)
@@ -104,18 +118,24 @@ class ScalingSection:
 
 @dataclass
 class FailureSection:
+    """What happens when workers fail."""
+
     max_failures: int = _f(3, "Worker-group restarts after failures (-1 = unlimited); an exception in your own code "
                            "that recurs at the same step after a restart ends the run sooner.", min=-1)
 
 
 @dataclass
 class MetricsSection:
+    """Rank 0's Prometheus exporter."""
+
     enabled: bool = _f(True, "Rank 0 serves Prometheus metrics.")
     port: int = _f(9500, "Port of rank 0's /metrics endpoint.", min=1, max=65535)
 
 
 @dataclass
 class Config:
+    """A whole run config: one section per part of the run."""
+
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -395,19 +415,6 @@ def _migrated(tree: dict) -> dict:
     wanted = {"synthetic": LEGACY_DATA_KEYS, "imagefolder": ("image_size",)}.get(data.get("name"), ())
     data["args"] = {**{k: v for k, v in legacy.items() if k in wanted}, **data.get("args", {})}
     return {**tree, "data": data}
-
-
-def describe_keys() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, help) for every key, for the README and ``--help``."""
-    rows = []
-    for sec in dataclasses.fields(Config):
-        for f in dataclasses.fields(_section_class(sec.name)()):
-            help_text = f.metadata["help"]
-            if f.metadata.get("choices"):
-                help_text += f" One of: {', '.join(f.metadata['choices'])}."
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            rows.append((f"{sec.name}.{f.name}", str(f.type), default, help_text))
-    return rows
 
 
 # What a checkpoint's state depends on: a run resumes only with these unchanged. Everything
