@@ -43,7 +43,7 @@ def free_port() -> int:
 class Spec:
     """One process to measure. ``overrides`` are ``--set`` values shared by the kit and the twin."""
 
-    kind: str  # "kit" or "twin"
+    kind: str  # "kit", "twin", or "script" (the twin under `ray-app run`: script mode)
     overrides: tuple[str, ...]
     workers: int = 2
     launch: str = "cold"  # kit: "cold" (ray-app train starts its own Ray) or "warm" (ray job submit)
@@ -334,12 +334,24 @@ def kit_command(spec: Spec, ctx: Context, d: Path, port: int) -> tuple[list[str]
     return argv, env, f"{storage}/{name}"
 
 
+def _twin_args(spec: Spec, d: Path) -> list[str]:
+    return [str(REPO / "bench" / "twin.py"), "--config", str(CONFIG), *_sets(spec.overrides),
+            "--out", str(d / "twin.jsonl"), "--skip-steps", str(SKIP_STEPS)]
+
+
+def script_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
+    """The twin, unchanged, under `ray-app run` (its own Ray in a private RAY_TMPDIR, as a cold kit run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    env["RAY_TMPDIR"] = str(d / "r")
+    kit = [f"scaling.num_workers={spec.workers}", f"run.storage={d / 'runs'}", f"run.name=bench-{d.name}-{os.getpid()}"]
+    return [str(BIN / "ray-app"), "run", *_sets(kit), *_twin_args(spec, d)], env
+
+
 def twin_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: after a torchrun restart, a store shared with the rendezvous
     # hands gloo the dead peer's address (pytorch/pytorch#135712)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    args = [str(REPO / "bench" / "twin.py"), "--config", str(CONFIG), *_sets(spec.overrides),
-            "--out", str(d / "twin.jsonl"), "--skip-steps", str(SKIP_STEPS)]
+    args = _twin_args(spec, d)
     if spec.kill:
         args += ["--ckpt-dir", str(d / "ckpt"), "--ckpt-every-steps", spec.value("checkpoint.every_steps", "20")]
     if spec.device == "cuda" and spec.workers == 1:  # the bare single-process loop (and DataParallel)
@@ -430,7 +442,7 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     if spec.kind == "kit":
         argv, env, run_uri = kit_command(spec, ctx, d, port or free_port())
     else:
-        (argv, env), run_uri = twin_command(spec, d), ""
+        (argv, env), run_uri = (script_command if spec.kind == "script" else twin_command)(spec, d), ""
     load1 = os.getloadavg()[0]
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -467,9 +479,10 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         if sampler:
             sampler.stop()
         recorder.join(timeout=10)
-        if spec.kind == "kit" and spec.launch == "cold":
+        if spec.kind in ("kit", "script") and spec.launch == "cold":
             kill_tree(processes_mentioning(str(d / "r")))  # leftovers of a crashed run's Ray
-    result = {"label": label, "kind": spec.kind, "launch": spec.launch if spec.kind == "kit" else "torchrun",
+    launch = {"kit": spec.launch, "script": "ray-app run"}.get(spec.kind, "torchrun")
+    result = {"label": label, "kind": spec.kind, "launch": launch,
               "workers": spec.workers, "dir": str(d), "rc": rc, "t0": t0, "t_end": t_end,
               "wall_s": round(t_end - t0, 3), "load1": load1}
     if spec.kind == "kit":

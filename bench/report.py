@@ -38,6 +38,10 @@ METHOD = """\
 - **Exporter on** means rank 0 serves `/metrics` and the bench scrapes it every 5 s (every 0.5 s in (d) and
   (e), and 20 Hz until the first step); **off** is `metrics.enabled=false`. Its cost is 1 - the median of the
   per-round on/off ratios (each round runs both back to back, so slow load drifts cancel within a pair).
+- **Script mode** (s): the twin itself, unchanged, under `ray-app run` (Ray Train's workers, its process group,
+  a private Ray started by the command) against the twin under `torchrun`; the script measures both the same
+  way in process. Its time to first step is shown beside the plug-in mode's (`ray-app train`, the same
+  workload, the run of case (a)).
 - **Scaling**: the 1-worker runs stop after 48 optimizer steps (`train.max_steps`; same per-worker batch).
 - Medians over the rounds; each round runs every case once, its variants in turn, in reverse order on every
   other round (A B, B A, ...). The machine is shared: the 1-minute load average at each run's start is in the

@@ -7,7 +7,8 @@
 Cases: (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
-(g) metrics exporter on vs off; (v, not in the default set) start-up experiments
+(g) metrics exporter on vs off; (s) script mode: the twin itself under `ray-app run`
+vs torchrun, beside the plug-in mode's time to first step; (v, not in the default set) start-up experiments
 with bench/variants.py. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
 order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
 """
@@ -67,7 +68,7 @@ WORKLOADS = {
     },
 }
 GPU_CASES = "a,c,d"
-DEFAULT_CASES = "a,b,c,d,e,f,g"
+DEFAULT_CASES = "a,b,c,d,e,f,g,s"
 VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0")
 
 
@@ -105,6 +106,9 @@ class Plan:
                   "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},
             # "on" spelled out, so it is a run of its own and not case (a)'s kit run: on and off back to back
             "g": {"on": kit(w["compute"] + ("metrics.enabled=true",)), "off": kit(w["compute"] + off)},
+            # script mode: the twin, a torchrun-style script, unchanged under `ray-app run` (case (a)'s twin run)
+            "s": {"ray-app run": Spec("script", w["compute"]), "torchrun": twin(w["compute"]),
+                  "ray-app train": kit(w["compute"])},
             # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
             "v": {name: kit(startup, variant=name, launch="cold", cpu_sample=True) for name in variants},
         }
@@ -124,7 +128,8 @@ class Plan:
         self.specs = {"a": {"kit": k1, "twin": t1}, "b": {"kit": k3, "twin": t2},
                       "c": {"kit cold": k2, "twin": t1, "kit warm": k1}, "d": {"none": k3, "sync": k1, "async": k2},
                       "e": {"kit": k1, "twin": t1}, "f": {"kit 2": k1, "twin 2": t1, "kit 1": k4, "twin 1": t3},
-                      "g": {"on": k1, "off": k4}}
+                      "g": {"on": k1, "off": k4},
+                      "s": {"ray-app run": Spec("script", w["comm"]), "torchrun": t2, "ray-app train": k3}}
 
     def _gpu_specs(self, w: dict) -> None:
         """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
@@ -435,9 +440,27 @@ def _v(run: dict, key: str):
     return tail_s(run) if key == "tail_s" else run.get(key)
 
 
+def rows_s(r: Runner) -> list[dict]:
+    """Script mode: the same script under `ray-app run` and torchrun; the plug-in mode's start beside."""
+    script, twin, plugin = r.runs("s", "ray-app run"), r.runs("s", "torchrun"), r.runs("s", "ray-app train")
+    k, t = med(script, "steady_sps"), med(twin, "steady_sps")
+    q = parse.ratio(k, t)
+    same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(script, twin)]
+    note = "same losses: " + ("yes" if same and all(same) else "NO" if False in same else "n/a")
+    out = [_row("s", "script mode steady samples/s (ray-app run / torchrun, the same script)", k, t, q, ">= 0.98",
+                q is not None and q >= 0.98, note + "; " + paired(script, twin, "steady_sps"))]
+    ks, ts, ps = med(script, "first_step_s"), med(twin, "first_step_s"), med(plugin, "first_step_s")
+    out.append(_row("s", "time to first step, script mode (s; ratio column = ray-app run - torchrun)", ks, ts,
+                    ks - ts if ks is not None and ts is not None else None, "reported", ks is not None))
+    out.append(_row("s", "time to first step, script mode vs plug-in mode (s; ray-app run, ray-app train; "
+                    "ratio column = difference)", ks, ps, ks - ps if ks is not None and ps is not None else None,
+                    "reported", ks is not None))
+    return out
+
+
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
-             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "v": rows_v}
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "s": rows_s, "v": rows_v}
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)

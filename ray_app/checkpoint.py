@@ -9,6 +9,9 @@ Layout of one checkpoint, ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``::
 
 A checkpoint whose manifest is missing or does not match is never loaded.
 Loading uses ``torch.load(..., weights_only=True)`` only.
+
+A ``ray-app run`` script's checkpoints (``ray_app.script.save``) live the same way under their run: one
+``state.pt`` and a manifest of format ``SCRIPT_FORMAT``; the loop never loads them, nor the script the loop's.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ from ray_app.storage import StorageError, split_uri
 log = logging.getLogger("ray_app.checkpoint")
 
 MANIFEST = "manifest.json"
-FORMAT = "ray_app.checkpoint/1"
+FORMAT = "ray_app.checkpoint/1"  # the training loop's checkpoints
+SCRIPT_FORMAT = "ray_app.script/1"  # what a `ray-app run` script passes to ray_app.script.save()
+# what a manifest of each format must list (a manifest of another format is not a ray_app checkpoint)
+REQUIRED_FILES = {FORMAT: ("model.pt", "optimizer.pt", "state.json", "config.json"), SCRIPT_FORMAT: ("state.pt",)}
 PREFIX = "ckpt-s"
 
 
@@ -116,11 +122,15 @@ def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
     for name, obj in (("state.json", payload.state), ("config.json", payload.config),
                       ("metrics.json", payload.metrics)):
         (path / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
+    return write_manifest(path, global_step=payload.state["global_step"], epoch=payload.state["epoch"])
+
+
+def write_manifest(path: Path, *, global_step: int, epoch: int | None, fmt: str = FORMAT) -> dict:
+    """The sha256 and size of every file already in ``path``, written last: the checkpoint's commit."""
     files = {}
     for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
         files[f.relative_to(path).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
-    manifest = {"format": FORMAT, "created": time.time(), "global_step": payload.state["global_step"],
-                "epoch": payload.state["epoch"], "files": files}
+    manifest = {"format": fmt, "created": time.time(), "global_step": global_step, "epoch": epoch, "files": files}
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -202,8 +212,10 @@ class Verification:
         return "; ".join(self.problems) if self.problems else "ok"
 
 
-def verify(storage, rel: str, name: str | None = None) -> Verification:
-    """Check every manifest entry (presence, size, sha256) without loading anything."""
+def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
+    """Check every manifest entry (presence, size, sha256) without loading anything.
+
+    ``fmt``: the format the caller can load (None: any of ``REQUIRED_FILES``, as ``ray-app checkpoints`` lists)."""
     name = name or rel.rsplit("/", 1)[-1]
     try:
         present = storage.list_files(rel)
@@ -214,9 +226,11 @@ def verify(storage, rel: str, name: str | None = None) -> Verification:
     try:
         manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
         entries = manifest["files"]
-        assert manifest.get("format") == FORMAT
+        assert manifest.get("format") in REQUIRED_FILES
     except Exception:
         return Verification(name, False, ["manifest unreadable or of an unknown format"], None)
+    if fmt is not None and manifest["format"] != fmt:
+        return Verification(name, False, [f"a {manifest['format']} checkpoint, not {fmt}"], manifest)
     problems = []
     for fname, meta in sorted(entries.items()):
         if fname not in present:
@@ -225,7 +239,7 @@ def verify(storage, rel: str, name: str | None = None) -> Verification:
             problems.append(f"size mismatch in {fname}")
         elif hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
             problems.append(f"sha256 mismatch in {fname}")
-    for required in ("model.pt", "optimizer.pt", "state.json", "config.json"):
+    for required in REQUIRED_FILES[manifest["format"]]:
         if required not in entries:
             problems.append(f"manifest lists no {required}")
     return Verification(name, not problems, problems, manifest)
@@ -236,11 +250,11 @@ def list_checkpoints(storage, run: str) -> list[str]:
     return [d for d in storage.list_dirs(run) if d.startswith(PREFIX)]
 
 
-def newest_verified(storage, run: str, warn=log.warning) -> tuple[str | None, list[Verification]]:
-    """The newest checkpoint whose manifest matches; broken newer ones are skipped with a warning."""
+def newest_verified(storage, run: str, warn=log.warning, fmt: str = FORMAT) -> tuple[str | None, list[Verification]]:
+    """The newest checkpoint of format ``fmt`` whose manifest matches; broken newer ones are skipped with a warning."""
     skipped = []
     for name in reversed(list_checkpoints(storage, run)):
-        v = verify(storage, f"{run}/{name}", name)
+        v = verify(storage, f"{run}/{name}", name, fmt)
         if v.ok:
             return name, skipped
         warn(f"skipping checkpoint {storage.uri(run, name)}: {v.reason}")
@@ -279,7 +293,7 @@ class LoadedCheckpoint:
     created: float = 0.0  # unix time the checkpoint was written (from its manifest)
 
 
-def _load_bytes(data: bytes, where: str = "checkpoint file"):
+def load_torch_bytes(data: bytes, where: str = "checkpoint file"):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # e.g. a pickled object weights_only refuses: bad input, not a crash
@@ -288,21 +302,26 @@ def _load_bytes(data: bytes, where: str = "checkpoint file"):
                               f"({type(exc).__name__}: {first}); it is not a plain ray_app checkpoint") from None
 
 
+def read_verified(storage, rel: str, files: dict, name: str) -> bytes:
+    """One file of a checkpoint, hashed as read against its manifest entry (``files``: the manifest's)."""
+    data = storage.read_bytes(f"{rel}/{name}")
+    if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
+        raise CheckpointError(f"checkpoint {storage.uri(rel)}: {name} changed after verification")
+    return data
+
+
 def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool = False) -> LoadedCheckpoint:
     """Verify, then load (each file hashed as read, so a change after verification is caught too)."""
-    v = verify(storage, rel)
+    v = verify(storage, rel, fmt=FORMAT)
     if not v.ok:
         raise CheckpointError(f"checkpoint {storage.uri(rel)} failed verification: {v.reason}")
     files = v.manifest["files"]
 
     def read(name: str) -> bytes:
-        data = storage.read_bytes(f"{rel}/{name}")
-        if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
-            raise CheckpointError(f"checkpoint {storage.uri(rel)}: {name} changed after verification")
-        return data
+        return read_verified(storage, rel, files, name)
 
     def load(name: str):
-        return _load_bytes(read(name), f"{storage.uri(rel)}/{name}")
+        return load_torch_bytes(read(name), f"{storage.uri(rel)}/{name}")
 
     model = load("model.pt")
     state = json.loads(read("state.json"))
@@ -433,6 +452,11 @@ class Checkpointer:
         self._report(metrics, local, name, upload)
         self._pending_blocked = time.perf_counter() - t0
         return None if self.staged else self.settle()
+
+    def wait_committed(self) -> None:
+        """Until the newest checkpoint's upload has ended (a staged one uploads in the background)."""
+        if self._uploaded is not None:
+            self._uploaded.wait()
 
     def settle(self) -> float | None:
         """Wait until a staged snapshot no longer needs the live state; account the checkpoint.

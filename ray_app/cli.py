@@ -36,7 +36,8 @@ def _config_args(p: argparse.ArgumentParser, config_default: str | None = "confi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ray-app", description="PyTorch DDP training on Ray Train: train, evaluate, inspect checkpoints, list the config's keys.")
+    p = _Parser(prog="ray-app", description="PyTorch DDP training on Ray Train: train, evaluate, inspect checkpoints, "
+                                            "run your own DDP script, list the config's keys.")
     p.add_argument("--version", action="version", version=f"ray-app {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -64,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("preflight", help="check config, storage and cluster; train nothing")
     _config_args(f)
+
+    r = sub.add_parser("run", help="run a torchrun-style DDP script, unchanged, on the Ray Train workers",
+                       usage="ray-app run [-h] [--config FILE] [--set KEY=VALUE] SCRIPT [ARGS ...]",
+                       description="Each worker runs SCRIPT as __main__ with ARGS, the environment torchrun gives "
+                                   "and the process group Ray Train set up (see ray_app.script).")
+    _config_args(r)
+    # nargs="?": argparse would name the optional ARGS too when SCRIPT is missing (cmd_run says it alone)
+    r.add_argument("script", nargs="?", metavar="SCRIPT", help="the script, e.g. train.py")
+    # REMAINDER: everything after SCRIPT is the script's, its own --flags included (as torchrun parses it)
+    r.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
 
     g = sub.add_parser("config", help="every config key with its default and help, or the JSON Schema of config files")
     gsub = g.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -129,6 +140,17 @@ def cmd_preflight(args) -> int:
 
         print(f"cluster ok: {ray.cluster_resources()}")
         ray.shutdown()
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    from ray_app.launch import UserError
+    from ray_app.script import check_script, launch_script
+
+    if args.script is None:
+        raise UserError("SCRIPT is missing: ray-app run [--config FILE] [--set KEY=VALUE] SCRIPT [ARGS...]")
+    script = check_script(args.script)  # before the config and Ray: a typo in the name costs nothing
+    _emit_summary(launch_script(_load(args), script, args.args), None)
     return EXIT_OK
 
 
@@ -220,7 +242,7 @@ def _terminate(signum, frame):
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints,
-            "config": cmd_config}
+            "run": cmd_run, "config": cmd_config}
 
 
 def _checkpoint_error() -> tuple:

@@ -122,6 +122,17 @@ class FailureSection:
 
     max_failures: int = _f(3, "Worker-group restarts after failures (-1 = unlimited); an exception in your own code "
                            "that recurs at the same step after a restart ends the run sooner.", min=-1)
+    preemption_checkpoint: bool = _f(True, "On a SIGTERM to a worker (a drained or preempted node, a stopped "
+                                     "container) or Ray's drain notice for its node, every rank agrees at the next "
+                                     "step boundary, checkpoints there and the group restarts from it: no completed "
+                                     "step is lost. false: a SIGTERM ends the worker at once, as in Ray.")
+    hang_timeout_s: float = _f(300.0, "Seconds a rank may make no progress (a stopped process, a deadlock, a "
+                               "collective that never returns) before the worker group restarts from the newest "
+                               "checkpoint; torch's own default would be 1800. The longest legitimate wait must fit: "
+                               "rank 0's sync checkpoint upload, its storage retries included.", min=10.0)
+    storage_retry_s: float = _f(120.0, "Seconds a worker's storage operation (a checkpoint upload, a listing, a "
+                                "read) retries an unreachable or throttling S3 store, with backoff, before the "
+                                "worker group restarts from the newest committed checkpoint.", min=0.0)
 
 
 @dataclass
@@ -292,6 +303,11 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"config key data.path: data.name={cfg.data.name} needs data.path set to the data folder")
     if cfg.scaling.use_gpu and cfg.scaling.gpus_per_worker <= 0:
         raise ConfigError("config key scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
+    f = cfg.failure
+    if f.hang_timeout_s <= f.storage_retry_s:
+        raise ConfigError(f"config key failure.hang_timeout_s={f.hang_timeout_s:g} must exceed failure.storage_retry_s="
+                          f"{f.storage_retry_s:g} (the other ranks wait while rank 0 retries an upload); raise it "
+                          "or lower failure.storage_retry_s")
 
 
 def read_config_file(path: str | os.PathLike) -> Any:

@@ -6,6 +6,9 @@
   network file system may be back a moment later. If the next attempt fails with the same
   exception, message, place in the user's code and global step, it is a bug: the run ends there
   instead of burning the remaining ``failure.max_failures`` restarts.
+- Preemption (every rank raised ``Preempted`` after the checkpoint it agreed on was committed)
+  restarts the group from that checkpoint without counting against ``failure.max_failures``, as Ray
+  Train counts its own preemptions separately.
 - Everything else (a killed or lost worker, a collective that failed, storage errors) follows Ray
   Train's default policy: restart from the newest checkpoint up to ``failure.max_failures``.
 """
@@ -16,6 +19,7 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 
 from ray_app.config import ConfigError
 from ray_app.plugins import UserCodeError
+from ray_app.preemption import Preempted
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
@@ -27,6 +31,8 @@ class KitFailurePolicy(DefaultFailurePolicy):
         errors = list((getattr(training_failed_error, "worker_failures", None) or {}).values())
         if any(isinstance(e, ConfigError) for e in errors):
             return FailureDecision.RAISE
+        if errors and all(isinstance(e, Preempted) for e in errors):
+            return FailureDecision.RETRY
         fingerprints = {e.fingerprint for e in errors if isinstance(e, UserCodeError)}
         recurring = bool(fingerprints & self._last_fingerprints)
         self._last_fingerprints = fingerprints

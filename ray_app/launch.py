@@ -3,7 +3,7 @@
 Driver side: connect to ``RAY_ADDRESS`` (or start a local Ray sized to the
 machine), check the cluster can hold the workers, build Scaling / Run /
 Failure / Checkpoint configs, run, and turn the result into the summary.
-Worker side: ``worker_main`` (train and eval) enters the user's project folder,
+Worker side: ``worker_main`` (train, eval, and a script for `ray-app run`) enters the user's project folder,
 builds the runtime, checkpointer and metrics sink the loop is given, and turns an
 exception in the user's code into one the driver shows once.
 """
@@ -144,8 +144,20 @@ def _train(cfg: Config, runtime: RayRuntime, stats) -> tuple[dict, object]:
         metrics = PrometheusMetrics(cfg.metrics.port)
     parts = build_parts(cfg, runtime)
     stats.mark("model_ready_unix")
-    trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats)
+    trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats, preemption_agreement(cfg))
     return trainer.fit(), trainer
+
+
+def preemption_agreement(cfg: Config):
+    """The per-step flag of ``ray_app.preemption`` on a gloo group: the default one on CPU, its own
+    next to nccl (made here, by every rank)."""
+    import torch.distributed as dist
+
+    from ray_app.preemption import Agreement
+
+    enabled = cfg.failure.preemption_checkpoint and dist.is_initialized()
+    group = dist.new_group(backend="gloo") if enabled and cfg.scaling.use_gpu else None
+    return Agreement(group, enabled=enabled)
 
 
 def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
@@ -165,8 +177,9 @@ def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dic
 
 
 def worker_main(job: dict, results=None) -> None:
-    """Entry point of every Ray Train worker, for ``train`` and ``eval``. Rank 0 puts its result on
-    ``results`` (a Ray queue on the driver's node).
+    """Entry point of every Ray Train worker, for ``train``, ``eval`` and ``run`` (mode ``script``: the
+    user's own script, see ``ray_app.script``). Rank 0 puts its result on ``results`` (a Ray queue on the
+    driver's node).
 
     An exception raised in the user's plug-in code is re-raised as a ``UserCodeError`` that carries its
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
@@ -174,22 +187,28 @@ def worker_main(job: dict, results=None) -> None:
     """
     from ray_app.loop import RunStats
     from ray_app.plugins import UserCodeError, plugin_roots
+    from ray_app.preemption import Preempted
     from ray_app.storage import open_storage
 
     stats = RunStats()
     _worker_logging()
     enter_project(job.get("project_dir", ""))
     cfg = config_from_dict(job["config"])
-    runtime = RayRuntime(cfg.scaling.use_gpu, open_storage(cfg.run.storage), cfg.run.name, cfg.checkpoint.upload)
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)
+    runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
     trainer = None
     try:
-        if job["mode"] == "eval":
+        if job["mode"] == "script":
+            from ray_app.script import run_in_worker
+
+            result = run_in_worker(job, runtime)  # the script's own errors come back as UserCodeError
+        elif job["mode"] == "eval":
             result, trainer = _eval(cfg, runtime, stats, job["checkpoint"])
         else:
             result, trainer = _train(cfg, runtime, stats)
     except Exception as exc:
-        if isinstance(exc, ConfigError):
-            _SHOWN_BY_THE_DRIVER.active = True
+        if isinstance(exc, (ConfigError, UserCodeError, Preempted)):
+            _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
             raise
         pos = getattr(trainer, "pos", None)
         wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
@@ -228,6 +247,7 @@ def init_ray(cfg: Config) -> None:
     # no runtime_env is needed (a job-level runtime_env would bypass Ray's pre-started workers).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # rank 0's print() reaches the driver once
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # one actor less to start
+    os.environ.update(hang_env(cfg.failure.hang_timeout_s))
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
@@ -235,6 +255,17 @@ def init_ray(cfg: Config) -> None:
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
                  logging_level=logging.WARNING)
     _check_capacity(cfg, ray.cluster_resources(), bool(address))
+
+
+def hang_env(hang_timeout_s: float) -> dict[str, str]:
+    """How long Ray Train waits on a rank that makes no progress (``failure.hang_timeout_s``; the process
+    group's collective timeout is set with it in ``build_trainer``): a worker whose process answers no
+    health check (stopped, or its interpreter wedged), and its barriers (``ray.train.report``). Ray Train
+    copies these to its controller and workers. Tearing down a group with a stopped worker waits on
+    its process group's shutdown: 5 s instead of 30 (read where Ray runs: a local Ray started here)."""
+    seconds = f"{hang_timeout_s:g}"
+    return {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": seconds, "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": seconds,
+            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}
 
 
 def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
@@ -292,6 +323,8 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    from ray_app import preemption
+
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
@@ -300,10 +333,14 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
         train_loop_config=job,
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo"),
+        # every collective (gloo and nccl alike) gives up after failure.hang_timeout_s: a stopped or
+        # deadlocked rank holds the others that long, not torch's 30 minutes
+        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
+                                 timeout_s=int(cfg.failure.hang_timeout_s)),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            callbacks=[preemption.worker_callback()] if cfg.failure.preemption_checkpoint else [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's own INFO lines (every report, every rank) drown the progress lines
             logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),
@@ -327,7 +364,7 @@ def preflight_run(cfg: Config):
     from ray_app.storage import StorageError, open_storage, preflight
 
     validate_before_ray(cfg)
-    storage = open_storage(cfg.run.storage)
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
     preflight(storage)
     _check_resume(cfg, storage)
     if cfg.run.resume_from:

@@ -38,6 +38,7 @@ from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state, restore_rng_state
 from ray_app.config import Config, resume_conflicts
 from ray_app.plugins import PluginError, build_data, build_model, build_task
+from ray_app.preemption import Agreement, Preempted
 
 # ---------------------------------------------------------------- the seams (real objects and test fakes)
 
@@ -333,8 +334,11 @@ class Trainer:
     """One worker's view of a DDP run: fit, epoch, step, evaluate."""
 
     def __init__(self, cfg: Config, runtime: Runtime, parts: Parts, checkpointer, metrics: MetricsSink,
-                 stats: RunStats | None = None):
+                 stats: RunStats | None = None, preemption: Agreement | None = None):
         self.cfg, self.rt, self.parts, self.ckpt, self.metrics = cfg, runtime, parts, checkpointer, metrics
+        self.preemption = preemption or Agreement(enabled=False)  # asked at every step boundary
+        self.leaving = False  # every rank agreed on a notice: checkpoint at the next resumable boundary, leave
+        self._checkpointed_at = -1  # global step of this attempt's newest checkpoint
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.is_rank0 = self.rank == 0  # the one predicate that decides who logs, writes and serves
         self.task, self.model, self.module = parts.task, parts.model, parts.module
@@ -457,12 +461,29 @@ class Trainer:
             if self.pos.global_step % cfg.train.log_every_steps == 0:
                 self._log_progress(interval)
                 interval = self._new_interval()
+            self.leaving = self.preemption.poll() or self.leaving
             if self.ckpt.step_due(self.pos, parts.batches_per_epoch) and not self._done():
                 self.checkpoint()
             if self._done():
                 break
+            if self.leaving and self.pos.batches_done < parts.batches_per_epoch:
+                self._leave()  # an epoch's last batch leaves after _end_epoch instead: that is where it resumes
         if self.pos.batches_done >= parts.batches_per_epoch:
             self._end_epoch(interval)
+            if self.leaving and self.pos.epoch < cfg.train.epochs and not self._done():
+                self._leave()
+
+    def _leave(self) -> None:
+        """Every rank: checkpoint here (unless this step has one), wait until it is committed, raise."""
+        if self._checkpointed_at != self.pos.global_step:
+            self.checkpoint()
+        self._account(self.ckpt.settle())
+        self.ckpt.wait_committed()
+        dist.barrier()  # no rank leaves before the writer's commit: the first to leave ends the group
+        self.preemption.close()
+        self.print0(f"preempted: checkpoint {self.ckpt.last_uri} at step {self.pos.global_step} committed; "
+                    "the worker group restarts from it")
+        raise Preempted(f"preempted at step {self.pos.global_step}; resume from {self.ckpt.last_uri}")
 
     def _forward_backward(self, batch, group_size: int, sync: bool):
         # practice 3: DDP all-reduces gradients during backward; on non-final
@@ -596,6 +617,7 @@ class Trainer:
                 config=self.cfg.to_dict(), metrics=metrics,
             )
         self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys))
+        self._checkpointed_at = self.pos.global_step
 
     def _account(self, blocked: float | None) -> None:
         if blocked is not None:

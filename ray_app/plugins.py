@@ -94,6 +94,8 @@ def _plumbing(frame: traceback.FrameSummary) -> bool:
 
 
 def _under(filename: str, roots: tuple[str, ...]) -> bool:
+    if filename.startswith("<"):  # "<frozen runpy>", "<string>": no file, and abspath would put it in the cwd
+        return False
     path = os.path.abspath(filename)
     return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 

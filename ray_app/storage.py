@@ -9,7 +9,10 @@ Train uses. Secrets are never logged: messages name the bucket and endpoint.
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,72 @@ from urllib.parse import urlparse
 
 class StorageError(RuntimeError):
     """A storage problem a user can fix (bucket, credentials, endpoint, path)."""
+
+
+class StorageUnavailable(RuntimeError):
+    """The object store did not answer for longer than the retry budget (``failure.storage_retry_s``):
+    a fault, not bad input. In a worker it fails the worker group, which restarts from the newest
+    committed checkpoint (Ray Train's policy, up to ``failure.max_failures``)."""
+
+
+# S3 error codes that say "try again" (throttling, a server-side blip); 5xx statuses count too
+_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+                    "Throttling", "ThrottlingException", "503", "500", "502", "504"}
+
+
+def transient(exc: BaseException) -> bool:
+    """True for an error of the store or the network that a later attempt may not see (connection
+    refused or reset, timeouts, throttling, 5xx), looking through boto3's wrappers (S3UploadFailedError)."""
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, IncompleteReadError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, TimeoutError,
+                            ConnectionRefusedError, ConnectionResetError)):
+            return True
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return str(err.get("Code", "")) in _TRANSIENT_CODES or int(status) >= 500
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class Retrying:
+    """Runs a storage operation again, with exponential backoff and jitter, while it fails with a
+    transient error, for at most ``budget_s`` seconds from its first failure; then StorageUnavailable.
+    One line when an outage starts and one when it ends (the store's address, never credentials)."""
+
+    def __init__(self, budget_s: float, where: str, say=None, sleep=time.sleep, clock=time.monotonic):
+        self.budget_s, self.where = budget_s, where
+        self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.sleep, self.clock = sleep, clock
+
+    def __call__(self, what: str, fn, *args, **kwargs):
+        first = None
+        delay = 0.5
+        while True:
+            try:
+                out = fn(*args, **kwargs)
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                now = self.clock()
+                if first is None:
+                    first = now
+                    self.say(f"ray-app: storage {self.where} unreachable ({type(exc).__name__}) during {what}; "
+                             f"retrying for up to {self.budget_s:g} s (failure.storage_retry_s)")
+                if now - first + delay > self.budget_s:
+                    raise StorageUnavailable(f"storage {self.where}: no answer for {now - first:.0f} s during {what} "
+                                             f"({type(exc).__name__}); the worker group restarts from the newest "
+                                             "committed checkpoint") from exc
+                self.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, 8.0)
+                continue
+            if first is not None:
+                self.say(f"ray-app: storage {self.where} answers again after {self.clock() - first:.1f} s ({what})")
+            return out
 
 
 @dataclass(frozen=True)
@@ -99,9 +168,11 @@ class S3Storage:
 
     scheme = "s3"
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, retry_s: float = 0.0):
         self.settings = S3Settings.resolve(uri)
         self._client = None
+        # 0: fail at once (the CLI's checks); workers retry transient errors for failure.storage_retry_s
+        self._retry = Retrying(retry_s, self.settings.where) if retry_s > 0 else lambda what, fn, *a, **kw: fn(*a, **kw)
 
     @property
     def client(self):
@@ -122,6 +193,9 @@ class S3Storage:
         return "s3://" + _join(self.settings.bucket, self.settings.prefix, *parts)
 
     def list_dirs(self, rel: str) -> list[str]:
+        return self._retry(f"listing {rel}/", self._list_dirs, rel)
+
+    def _list_dirs(self, rel: str) -> list[str]:
         prefix = self._key(rel) + "/"
         out = set()
         for page in self.client.get_paginator("list_objects_v2").paginate(
@@ -132,6 +206,9 @@ class S3Storage:
         return sorted(out)
 
     def list_files(self, rel: str) -> dict[str, int]:
+        return self._retry(f"listing {rel}/", self._list_files, rel)
+
+    def _list_files(self, rel: str) -> dict[str, int]:
         prefix = self._key(rel) + "/"
         out = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.settings.bucket, Prefix=prefix):
@@ -140,7 +217,8 @@ class S3Storage:
         return dict(sorted(out.items()))
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.client.get_object(Bucket=self.settings.bucket, Key=self._key(rel))["Body"].read()
+        return self._retry(f"reading {rel}", lambda: self.client.get_object(
+            Bucket=self.settings.bucket, Key=self._key(rel))["Body"].read())
 
     def exists(self, rel: str) -> bool:
         from botocore.exceptions import ClientError
@@ -152,7 +230,8 @@ class S3Storage:
             return bool(self.list_files(rel))
 
     def upload_file(self, local: str, rel: str) -> None:
-        self.client.upload_file(local, self.settings.bucket, self._key(rel))
+        # one object per call: a retry re-sends the whole file (a multipart upload restarts cleanly)
+        self._retry(f"upload of {rel}", self.client.upload_file, local, self.settings.bucket, self._key(rel))
 
     def download_file(self, rel: str, local: str) -> None:
         self.client.download_file(self.settings.bucket, self._key(rel), local)
@@ -163,8 +242,9 @@ class S3Storage:
             self.client.delete_objects(Bucket=self.settings.bucket, Delete={"Objects": keys[i:i + 1000]})
 
     def pyarrow_fs(self):
-        """The filesystem Ray Train writes with: same endpoint and region; credentials from the
-        AWS chain on each node (never serialized into Ray's run state)."""
+        """The filesystem Ray Train writes its own files with (run state, deletion of old checkpoints):
+        same endpoint and region; credentials from the AWS chain on each node (never serialized into
+        Ray's run state); with a retry budget, requests retry as long as the kit's own do."""
         import pyarrow.fs
 
         kwargs = {"region": self.settings.region}
@@ -172,7 +252,12 @@ class S3Storage:
             parsed = urlparse(self.settings.endpoint)
             kwargs["endpoint_override"] = parsed.netloc or parsed.path
             kwargs["scheme"] = parsed.scheme or "https"
-        return pyarrow.fs.S3FileSystem(**kwargs)
+        budget = getattr(self._retry, "budget_s", 0)
+        if not budget:
+            return pyarrow.fs.S3FileSystem(**kwargs)
+        from ray_app.s3fs import RetryingS3Handler
+
+        return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, _attempts_for(budget)))
 
     def ray_storage(self):
         return _join(self.settings.bucket, self.settings.prefix), self.pyarrow_fs()
@@ -181,9 +266,19 @@ class S3Storage:
         return _join(self.settings.bucket, self.settings.prefix, rel), self.pyarrow_fs()
 
 
-def open_storage(uri: str):
-    """``run.storage`` -> LocalStorage or S3Storage."""
-    return S3Storage(uri) if uri.startswith("s3://") else LocalStorage(uri)
+def _attempts_for(budget_s: float) -> int:
+    """Attempts of the AWS SDK's default strategy (waits 25 ms x 2^k before retry k+1) that span
+    ``budget_s`` seconds."""
+    attempts, waited = 1, 0.0
+    while waited < budget_s:
+        waited += 0.025 * 2 ** (attempts - 1)
+        attempts += 1
+    return attempts
+
+
+def open_storage(uri: str, retry_s: float = 0.0):
+    """``run.storage`` -> LocalStorage or S3Storage (which retries transient errors for ``retry_s``)."""
+    return S3Storage(uri, retry_s) if uri.startswith("s3://") else LocalStorage(uri)
 
 
 def split_uri(uri: str) -> tuple[object, str]:

@@ -2,9 +2,13 @@
 # `make deploy`: apply the manifests `make render` prints to the current
 # kubectl context. Usage: deploy.sh MANIFESTS_FILE
 #   1. checks that the KubeRay CRDs are installed
-#   2. the namespace, then the Ray auth-token Secret when the manifests use
-#      one (authOptions.secretName) and it is missing: random, never printed
-#   3. the manifests; then k8s/monitoring when the prometheus-operator CRDs exist
+#   2. the namespace K8S_NAMESPACE (k8s/namespace, renamed), which must be the
+#      namespace the manifests were rendered for (`make deploy` does both)
+#   3. the Ray auth-token Secret in it when the manifests use one
+#      (authOptions.secretName) and it is missing: random, never printed
+#   4. k8s/admission (cluster-scoped: the ServiceAccount may change no pod
+#      but for the metrics label), then the manifests; then k8s/monitoring in
+#      the same namespace when the prometheus-operator CRDs exist
 set -euo pipefail
 
 manifests=${1:?usage: deploy.sh MANIFESTS_FILE}
@@ -17,11 +21,17 @@ command -v "${KUBECTL%% *}" >/dev/null || { echo "deploy: kubectl not found" >&2
 echo "==> context $($KUBECTL config current-context 2>/dev/null || echo '?'), namespace $K8S_NAMESPACE"
 if ! $KUBECTL get crd rayjobs.ray.io >/dev/null 2>&1; then
   echo "deploy: the KubeRay CRDs are not installed in this cluster; on kind run 'make kind-up'," \
-       "elsewhere install the KubeRay operator >= 1.5.1 (docs/kubernetes.md)" >&2
+       "elsewhere install the KubeRay operator >= 1.6.0 (docs/kubernetes.md)" >&2
   exit 2
 fi
 
-$KUBECTL apply -f k8s/base/namespace.yaml
+rendered_ns=$(sed -n 's/^  namespace: //p' "$manifests" | sort -u)
+if [ "$rendered_ns" != "$K8S_NAMESPACE" ]; then
+  echo "deploy: $manifests is rendered for namespace(s) '$(echo $rendered_ns)', not K8S_NAMESPACE=$K8S_NAMESPACE;" \
+       "render and deploy with the same K8S_NAMESPACE (make deploy K8S_NAMESPACE=...)" >&2
+  exit 2
+fi
+KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/namespace build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 
 if grep -q "secretName: $AUTH_SECRET" "$manifests" &&
    ! $KUBECTL -n "$K8S_NAMESPACE" get secret "$AUTH_SECRET" >/dev/null 2>&1; then
@@ -30,18 +40,19 @@ if grep -q "secretName: $AUTH_SECRET" "$manifests" &&
   echo "created Secret $K8S_NAMESPACE/$AUTH_SECRET (a random Ray auth token, not printed)"
 fi
 if ! $KUBECTL -n "$K8S_NAMESPACE" get secret ray-app-s3 >/dev/null 2>&1; then
-  echo "note: no Secret $K8S_NAMESPACE/ray-app-s3; the pods use IRSA / workload identity or an" \
-       "instance role for S3 (create it as docs/kubernetes.md shows otherwise)"
+  echo "note: no Secret $K8S_NAMESPACE/ray-app-s3; the pods need IRSA, EKS Pod Identity or an EC2" \
+       "instance role for S3, the last two with their egress component (docs/kubernetes.md, \"S3 credentials\")"
 fi
 if $KUBECTL -n "$K8S_NAMESPACE" get rayjob "$RAYJOB" >/dev/null 2>&1; then
   echo "note: RayJob $RAYJOB already exists; a finished job does not start again." \
        "'make undeploy deploy' starts a new attempt (the same run.name resumes from S3)"
 fi
 
+KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/admission build/k8s/admission "" "" | $KUBECTL apply -f -
 $KUBECTL apply -f "$manifests"
 
 if $KUBECTL get crd podmonitors.monitoring.coreos.com prometheusrules.monitoring.coreos.com >/dev/null 2>&1; then
-  $KUBECTL kustomize k8s/monitoring | $KUBECTL apply -f -
+  KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/monitoring build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 else
   echo "note: no prometheus-operator CRDs: PodMonitors, rules and dashboard (k8s/monitoring) skipped"
 fi

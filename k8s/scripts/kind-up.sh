@@ -2,9 +2,12 @@
 # `make kind-up`: a kind cluster ready for `make deploy` (overlay kind-cpu).
 #   1. the kind cluster of k8s/kind/cluster.yaml (kept if it exists)
 #   2. the image IMAGE loaded into its nodes (no registry needed)
-#   3. the KubeRay operator, Helm chart pinned at KUBERAY_VERSION
-#   4. MinIO with the bucket ray-app, random root keys in Secrets (never printed)
+#   3. the KubeRay CRDs of KUBERAY_VERSION (server-side apply, so a re-run with
+#      a newer version upgrades them), then its operator (Helm chart, pinned)
+#   4. MinIO with the bucket ray-app (its Job runs IMAGE), random root keys in
+#      Secrets (never printed); the namespace K8S_NAMESPACE and its ray-app-s3
 #   5. with KIND_MONITORING=1: kube-prometheus-stack (pinned), then k8s/monitoring
+#      in K8S_NAMESPACE
 # Idempotent: run it again after `make image` to reload the image.
 set -euo pipefail
 
@@ -31,13 +34,18 @@ kind load docker-image "$IMAGE" --name "$KIND_CLUSTER"
 
 echo "==> KubeRay operator $KUBERAY_VERSION"
 helm repo add kuberay https://ray-project.github.io/kuberay-helm/ --force-update >/dev/null
-helm upgrade --install kuberay-operator kuberay/kuberay-operator \
+# Helm installs a chart's crds/ only on the first install and never upgrades
+# them: apply this version's CRDs first (server-side: they are too large for
+# the last-applied annotation of a client-side apply).
+helm show crds kuberay/kuberay-operator --version "$KUBERAY_VERSION" |
+  $KUBECTL apply --server-side --force-conflicts -f - >/dev/null
+helm upgrade --install kuberay-operator kuberay/kuberay-operator --skip-crds \
   --kube-context "kind-${KIND_CLUSTER}" --version "$KUBERAY_VERSION" \
   --namespace kuberay-system --create-namespace --wait --timeout 5m
 
 echo "==> MinIO (S3 for checkpoints) and the bucket ray-app"
 $KUBECTL apply -f k8s/kind/minio/namespace.yaml
-$KUBECTL apply -f k8s/base/namespace.yaml
+KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/namespace build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 secrets_dir=$(mktemp -d)
 trap 'rm -rf "$secrets_dir"' EXIT
 umask 077
@@ -54,9 +62,10 @@ if ! $KUBECTL -n "$K8S_NAMESPACE" get secret ray-app-s3 >/dev/null 2>&1; then
   $KUBECTL -n "$K8S_NAMESPACE" create secret generic ray-app-s3 --from-env-file="$secrets_dir/s3.env" >/dev/null
   echo "created Secret $K8S_NAMESPACE/ray-app-s3 (the MinIO keys, not printed)"
 fi
-# The bucket Job's pod spec is immutable: replace it on re-runs.
+# The bucket Job's pod spec is immutable: replace it on re-runs. It runs the
+# image just loaded (IMAGE), not the tag k8s/kind/minio names.
 $KUBECTL -n minio delete job create-bucket --ignore-not-found >/dev/null
-$KUBECTL kustomize k8s/kind/minio | $KUBECTL apply -f -
+KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/kind/minio build/k8s/kind-minio "$IMAGE" "" | $KUBECTL apply -f -
 $KUBECTL -n minio rollout status deployment/minio --timeout=180s
 $KUBECTL -n minio wait --for=condition=complete job/create-bucket --timeout=180s
 
@@ -73,7 +82,10 @@ if [ "$KIND_MONITORING" = "1" ]; then
     --set prometheus.prometheusSpec.serviceMonitorSelectorNilUsesHelmValues=false \
     --set prometheus.prometheusSpec.ruleSelectorNilUsesHelmValues=false \
     --set grafana.sidecar.dashboards.searchNamespace=ALL
-  $KUBECTL kustomize k8s/monitoring | $KUBECTL apply -f -
+  KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/monitoring build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 fi
 
-echo "kind cluster $KIND_CLUSTER is ready: make deploy   (then: make status, make k8s-logs)"
+deploy_args=""
+[ "$IMAGE" = "ray-app:0.1.0" ] || deploy_args+=" IMAGE=$IMAGE"
+[ "$K8S_NAMESPACE" = "ray-app" ] || deploy_args+=" K8S_NAMESPACE=$K8S_NAMESPACE"
+echo "kind cluster $KIND_CLUSTER is ready: make deploy$deploy_args   (then: make status, make k8s-logs)"

@@ -402,17 +402,28 @@ class ContainerCluster:
                               capture_output=True, text=True, timeout=timeout)
 
     def submit(self, submission_id: str, train_args: list[str], wait: bool = True,
-               timeout: float = 600, config: str = "configs/cluster.yaml", working_dir: bool = True,
-               **env_kw) -> subprocess.CompletedProcess:
-        """`ray job submit ... -- ray-app train --config CONFIG ...`; with ``working_dir`` the repository
-        is uploaded (as `make submit`), without it the job runs only what the image holds."""
+               timeout: float = 600, config: str = "configs/cluster.yaml", working_dir: bool | Path = True,
+               command: str = "train", **env_kw) -> subprocess.CompletedProcess:
+        """`ray job submit ... -- ray-app COMMAND --config CONFIG ...`; with ``working_dir`` True the
+        repository is uploaded (as `make submit`), with a path that folder, without it the job runs only
+        what the image holds."""
         args = ["job", "submit", "--address", self.address, "--submission-id", submission_id]
         if working_dir:
-            args += ["--working-dir", ".", "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES})]
+            folder = "." if working_dir is True else str(working_dir)
+            args += ["--working-dir", folder, "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES})]
         if not wait:
             args.append("--no-wait")
-        args += ["--", "ray-app", "train", "--config", config, *train_args]
+        args += ["--", "ray-app", command, "--config", config, *train_args]
         return self.ray(*args, timeout=timeout, **env_kw)
+
+    def exec(self, container: str, *argv: str, stdin: str | None = None, workdir: str | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+        """`docker exec` in one of the cluster's containers (as its image's user)."""
+        flags = ["-i"] if stdin is not None else []
+        if workdir:
+            flags += ["-w", workdir]
+        return subprocess.run(["docker", "exec", *flags, container, *argv], input=stdin, capture_output=True,
+                              text=True, timeout=timeout)
 
     def job_status(self, submission_id: str) -> str:
         out = self.ray("job", "status", "--address", self.address, submission_id, timeout=60)

@@ -2,18 +2,22 @@
 
 One cluster (head + 2 workers, moto S3, host Prometheus) serves the tests of
 this module, in order: a 2-worker DDP job across the two worker containers, a
-submission without the token (refused), then a job whose rank-0 worker
-container is killed mid-training and started again.
+torchrun-style script under `ray-app run` across them, a submission without the
+token (refused), then a job whose rank-0 worker container is killed
+mid-training and started again.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+import textwrap
 import time
 
 import pytest
 from e2e_cluster import LOG_DIR, ContainerCluster, docker, rank_placements, summary_of, wait_until
+
+from tests.integration.ddp_script import TRAIN, lines_of, write_scripts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -75,6 +79,33 @@ def test_ddp_job_across_worker_containers(cluster):
     assert float(world[0]["value"][1]) == 2
     step = cluster.prometheus.query(f'max_over_time(ray_app_global_step{{instance="{rank0_ip}:9500"}}[10m])')
     assert float(step[0]["value"][1]) > 0
+
+
+def test_torchrun_style_script_runs_unchanged_across_worker_containers(cluster, tmp_path):
+    """`ray job submit --working-dir . -- ray-app run train.py`: the script's ranks on the two worker
+    containers print the losses the same script prints under torchrun in one container of the image."""
+    project = write_scripts(tmp_path)
+    args = ["--epochs", "3", "--where"]
+    ref = cluster.exec(cluster.head, "sh", "-c", "mkdir -p /tmp/ddp && cat > /tmp/ddp/train.py", stdin=textwrap.dedent(TRAIN))
+    assert ref.returncode == 0, ref.stderr
+    ref = cluster.exec(cluster.head, "env", "OMP_NUM_THREADS=1", "torchrun", "--standalone", "--nproc-per-node", "2",
+                       "train.py", "--epochs", "3", workdir="/tmp/ddp")
+    reference = lines_of(ref.stdout + ref.stderr)  # torch 2.13 on CPU may SIGABRT a rank at exit: lines, not rc
+    assert reference and reference[-1].startswith("final parameters"), (ref.stdout + ref.stderr)[-3000:]
+
+    run, sid = run_name("script"), run_name("job")
+    out = cluster.submit(sid, ["--set", f"run.name={run}", "train.py", *args], config="/app/configs/cluster.yaml",
+                         working_dir=project, command="run", timeout=600)
+    logs = cluster.job_logs(sid) or out.stdout
+    (LOG_DIR / f"job-{run}.log").write_text(logs)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert cluster.job_status(sid) == "SUCCEEDED"
+    placed = rank_placements(logs)  # the script's own "rank R/W on host H ip I" line, on every rank
+    assert set(placed) == {0, 1}, logs[-3000:]
+    assert {ip for _, ip in placed.values()} == {cluster.ip_of(w) for w in cluster.workers}, placed
+    assert lines_of(logs) == reference  # every logged step, every eval, the final parameters
+    summary = summary_of(logs)
+    assert summary["run"] == run and summary["script"] == "train.py" and summary["world_size"] == 2
 
 
 def test_submit_without_token_is_refused(cluster):

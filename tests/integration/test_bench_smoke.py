@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-CASES = "abcdefg"
+CASES = "abcdefgs"
 
 
 def test_bench_smoke_writes_well_formed_results(tmp_path):
@@ -28,7 +28,9 @@ def test_bench_smoke_writes_well_formed_results(tmp_path):
     for row in results["rows"]:
         assert row["kit"] is not None and row["ref"] is not None, row
     kinds = {(r["kind"], r["launch"]) for r in results["runs"]}
-    assert {("kit", "cold"), ("kit", "warm"), ("twin", "torchrun")} <= kinds
+    assert {("kit", "cold"), ("kit", "warm"), ("twin", "torchrun"), ("script", "ray-app run")} <= kinds
+    script = next(r for r in results["runs"] if r["kind"] == "script")  # the twin's own figures, under ray-app run
+    assert script["steady_sps"] > 0 and script["first_step_s"] > 0 and script["losses"], script
     assert all(r["rc"] == 0 for r in results["runs"])
     # the CPU sampler saw the kit's Ray Train workers and the twin's ranks use CPU before the first step
     sampled = {r["kind"]: r["cpu_before_first_step"] for r in results["runs"] if r.get("cpu_before_first_step")}

@@ -19,8 +19,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+# kustomize Components (k8s/components/*): each is rendered on top of the gpu
+# overlay, where the docs tell users to enable it ("overlays/gpu+components/NAME").
+COMPONENTS = sorted(p.parent.name for p in (K8S / "components").glob("*/kustomization.yaml"))
+COMPOSED = [f"overlays/gpu+components/{c}" for c in COMPONENTS]
 # Every kustomization a user (or `make`) renders.
-KUSTOMIZATIONS = ["base", *(f"overlays/{o}" for o in OVERLAYS), "monitoring", "kind/minio"]
+KUSTOMIZATIONS = ["namespace", "admission", "base", *(f"overlays/{o}" for o in OVERLAYS), *COMPOSED, "monitoring", "kind/minio"]
 DEPLOYABLE = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 NAMESPACE = "ray-app"
 APP_LABEL = {"app.kubernetes.io/name": "ray-app"}
@@ -45,10 +49,25 @@ def kubectl() -> str:
     pytest.skip("kubectl not installed: the k8s/ manifests cannot be rendered here")
 
 
+def _composed_dir(rel: str) -> Path:
+    """A kustomization under build/ with the overlay and the components of
+    "overlays/X+components/Y+...": kustomize takes neither absolute paths nor
+    files outside its root, so it lives in the repository like make's."""
+    base, *components = rel.split("+")
+    directory = REPO / "build" / "k8s" / ("test-" + rel.replace("/", "-").replace("+", "--"))
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"../../../k8s/{base}"], "components": [f"../../../k8s/{c}" for c in components],
+    }))
+    return directory
+
+
 @functools.lru_cache(maxsize=None)
 def _render_cached(rel: str) -> tuple[str, ...]:
+    directory = _composed_dir(rel) if "+" in rel else K8S / rel
     out = subprocess.run(
-        [kubectl(), "kustomize", str(K8S / rel)], capture_output=True, text=True, timeout=60
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
     )
     if out.returncode != 0:
         raise AssertionError(f"kubectl kustomize k8s/{rel} failed:\n{out.stderr}")

@@ -202,15 +202,6 @@ def test_network_policy_admits_only_the_clusters_own_pods_to_ray_ports(rel):
 
 
 @pytest.mark.parametrize("rel", DEPLOYABLE)
-def test_network_policy_egress_allows_dns(rel):
-    egress = [o for o in render(rel) if o["kind"] == "NetworkPolicy" and "Egress" in o["spec"]["policyTypes"]]
-    assert egress
-    dns = [r for p in egress for r in p["spec"]["egress"]
-           if any(port["port"] == 53 and port["protocol"] == "UDP" for port in r.get("ports") or [])]
-    assert dns and all(peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"} for r in dns for peer in r["to"])
-
-
-@pytest.mark.parametrize("rel", DEPLOYABLE)
 def test_only_rbac_is_get_list_patch_pods_in_the_namespace(rel):
     objs = render(rel)
     assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]

@@ -1,0 +1,186 @@
+"""Faults beyond a killed worker, on a local Ray (CPU, gloo).
+
+- a SIGTERM to a worker mid-epoch (a preemption notice): every rank agrees at the next step boundary,
+  checkpoints there, and the restarted group resumes from that step: none lost, and the restart does
+  not count against ``failure.max_failures`` (0 here);
+- a rank SIGSTOPped mid-epoch: the others' collectives give up after ``failure.hang_timeout_s``, Ray
+  Train restarts the group from the newest checkpoint, the stopped process is killed;
+
+each run ends on the uninterrupted run's parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+STEPS_PER_EPOCH = 32  # 1024 samples / 2 workers / batch 16
+EPOCHS = 3
+HANG_TIMEOUT_S = 15
+WORKLOAD = [
+    "--set", "data.name=synthetic", "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
+    "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", f"train.epochs={EPOCHS}",
+    "--set", "train.log_every_steps=8", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
+]
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return e
+
+
+class Run:
+    """``ray-app train`` in its own session; every output line kept with its arrival time."""
+
+    def __init__(self, args: list[str]):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "ray_app", "train", *args], cwd=REPO, env=env(),
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout: float = 600) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._reader.join(timeout=10)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def first(self, pattern: str) -> float | None:
+        return next((t for t, line in self.lines if re.search(pattern, line)), None)
+
+    def workers(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "RayTrainWorker" in " ".join(p.cmdline()):
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+
+def final_model(storage: Path, summary: dict) -> dict:
+    return torch.load(Path(summary["checkpoint"]) / "model.pt", weights_only=True)
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name[len("ckpt-s"):][:9]) for p in run_dir.glob("ckpt-s*/manifest.json"))
+
+
+def summary_of(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The uninterrupted run's final parameters."""
+    storage = tmp_path_factory.mktemp("reference")
+    run = Run(["--set", f"run.storage={storage}", "--set", "run.name=ref", *WORKLOAD])
+    assert run.wait() == 0, run.text[-4000:]
+    summary = summary_of(run.text)
+    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    return final_model(storage, summary)
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit_identical(reference, tmp_path):
+    run_dir = tmp_path / "hang"
+    run = Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=hang", *WORKLOAD,
+               "--set", "checkpoint.every_steps=12", "--set", f"failure.hang_timeout_s={HANG_TIMEOUT_S}",
+               "--set", "failure.storage_retry_s=5"])
+    victim, stopped_at, before = None, None, []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            before = committed_steps(run_dir)
+            if any(s > STEPS_PER_EPOCH and s % STEPS_PER_EPOCH for s in before):  # a mid-epoch checkpoint
+                break
+            time.sleep(0.1)
+        workers = run.workers()
+        assert len(workers) == 2 and run.proc.poll() is None, (workers, run.text[-3000:])
+        victim = workers[-1]
+        victim.send_signal(signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+        stopped_at = time.monotonic()
+        rc = run.wait()
+    finally:
+        if victim is not None and victim.is_running():
+            victim.send_signal(signal.SIGCONT)
+    assert rc == 0, run.text[-5000:]
+    resumed_at = run.first(r"resumed from ")
+    assert resumed_at is not None and resumed_at > stopped_at, run.text[-5000:]
+    seconds = resumed_at - stopped_at
+    print(f"\n[faults] SIGSTOP -> resumed group loaded its checkpoint in {seconds:.1f}s "
+          f"(hang_timeout_s {HANG_TIMEOUT_S}, so {seconds - HANG_TIMEOUT_S:.1f}s of detection slack and restart)")
+    assert HANG_TIMEOUT_S - 1 <= seconds <= HANG_TIMEOUT_S + 90, seconds  # not torch's 30 minutes
+    assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE  # the stopped process was killed
+
+    summary = summary_of(run.text)
+    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert summary["resumed_from_step"] >= max(before) > STEPS_PER_EPOCH, (summary, before)
+    assert_bit_identical(final_model(tmp_path, summary), reference)
+
+
+def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_step_is_lost(reference, tmp_path):
+    run = Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=term", *WORKLOAD,
+               "--set", "failure.max_failures=0"])  # only epoch checkpoints: the one at the SIGTERM is its own
+    logged = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            logged = [int(m) for m in re.findall(r"epoch \d+ step (\d+)/", run.text)]
+            if logged and logged[-1] >= STEPS_PER_EPOCH + 8:  # mid-way through the second epoch
+                break
+            time.sleep(0.05)
+        workers = run.workers()
+        assert len(workers) == 2 and run.proc.poll() is None, (workers, run.text[-3000:])
+        workers[0].send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        rc = run.wait()
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+    assert rc == 0, run.text[-5000:]
+    assert "ray-app: SIGTERM: checkpointing at the next step boundary, then leaving" in run.text, run.text[-5000:]
+    m = re.search(r"preempted: checkpoint (\S+) at step (\d+) committed", run.text)
+    assert m, run.text[-5000:]
+    step = int(m.group(2))
+    assert step % STEPS_PER_EPOCH and step >= logged[-1], (step, logged)  # mid-epoch, after the last step seen
+    committed_at = run.first(r"preempted: checkpoint")
+    resumed_at = run.first(rf"resumed from \S+ckpt-s0*{step}-")
+    assert resumed_at is not None, run.text[-5000:]
+    print(f"\n[faults] SIGTERM -> checkpoint at step {step} committed in {committed_at - signalled_at:.1f}s, "
+          f"the restarted group resumed from it {resumed_at - signalled_at:.1f}s after the signal")
+    summary = summary_of(run.text)
+    assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert_bit_identical(final_model(tmp_path, summary), reference)

@@ -1,0 +1,122 @@
+"""The object store goes dark while a checkpoint uploads (a TCP proxy between the kit and moto_server).
+
+- an outage shorter than ``failure.storage_retry_s`` (25 s against 120 s): the upload waits it out
+  with backoff, the run completes, every committed checkpoint verifies;
+- an outage longer than the budget: the upload gives up, the worker group restarts, resumes from
+  the newest committed checkpoint (never the half-uploaded one), and the run completes once the
+  store is back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from tests.integration.s3server import start_s3_server
+from tests.integration.tcp_proxy import OutageProxy
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+STEPS_PER_EPOCH = 16  # 512 samples / 2 workers / batch 16
+EPOCHS = 3
+WORKLOAD = [
+    "--set", "data.name=synthetic", "--set", "data.args.num_samples=512", "--set", "data.args.image_size=16",
+    "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", f"train.epochs={EPOCHS}",
+    "--set", "train.log_every_steps=8", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
+    "--set", "checkpoint.every_steps=8", "--set", "checkpoint.upload=sync",
+]
+MODEL_PUT = rb"PUT /[^ ]*/ckpt-s\d+[^ /]*/model\.pt"  # after config.json and metrics.json of the checkpoint
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = start_s3_server(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def proxy(s3):
+    url = urlparse(s3.endpoint)
+    p = OutageProxy(url.hostname, url.port)
+    yield p
+    p.close()
+
+
+def ray_app(args, env, timeout=600):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ray_app", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    print(f"ray-app {' '.join(args[:1])}: rc {proc.returncode} in {time.monotonic() - t0:.1f}s")
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def checkpoints(s3, run: str) -> dict[str, set[str]]:
+    """checkpoint directory -> its files in the bucket (Ray Train's own files beside them left out)."""
+    out: dict[str, set[str]] = {}
+    for key in s3.snapshot(f"{run}/{run}/ckpt-s"):
+        name, file = key.split("/")[2], "/".join(key.split("/")[3:])
+        out.setdefault(name, set()).add(file)
+    return out
+
+
+def verify_all(s3, run: str) -> list[dict]:
+    rc, out, err = ray_app(["checkpoints", "verify", f"s3://{s3.bucket}/{run}/{run}", "--json"], s3.env(), timeout=120)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
+    run = "blip"
+    proxy.arm(MODEL_PUT, 25, nth=2)  # the second checkpoint's upload
+    rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
+                            *WORKLOAD], s3.env(endpoint=proxy.endpoint))
+    text = out + err
+    assert rc == 0, text[-4000:]
+    assert len(proxy.outages) == 1, "the outage never started: no checkpoint upload matched"
+    start, end = proxy.outages[0]
+    assert re.search(r"ray-app: storage s3://\S+ at http://127\.0\.0\.1:\d+ unreachable \(\w+\) during upload of "
+                     rf"{run}/ckpt-s\d+-\S+/model\.pt; retrying for up to 120 s", text), text[-4000:]
+    waited = [float(x) for x in re.findall(r"answers again after ([\d.]+) s", text)]
+    assert waited and 20 <= max(waited) <= 60, waited  # waited the outage out (25 s from the reset)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH and summary["resumed_from_step"] == 0
+    assert "resumed from" not in text  # no restart was needed
+    rows = verify_all(s3, run)
+    assert rows and all(r["verified"] for r in rows), rows  # the interrupted upload was finished, then committed
+    assert [r["global_step"] for r in rows] == list(range(8, EPOCHS * STEPS_PER_EPOCH + 1, 8)), rows
+    for secret in s3.admin:
+        assert secret not in text
+
+
+def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_checkpoint(s3, proxy):
+    run = "dark"
+    proxy.arm(MODEL_PUT, 30, nth=2)
+    rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
+                            "--set", "failure.storage_retry_s=5", "--set", "failure.max_failures=10", *WORKLOAD],
+                           s3.env(endpoint=proxy.endpoint))
+    text = out + err
+    assert rc == 0, text[-4000:]
+    assert len(proxy.outages) == 1
+    assert "no answer for" in text and "the worker group restarts from the newest committed checkpoint" in text
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert summary["resumed_from_step"] == 8, summary  # the first checkpoint: the second never committed
+
+    dirs = checkpoints(s3, run)
+    partial = [name for name, files in dirs.items() if "manifest.json" not in files]
+    assert len(partial) == 1 and partial[0].startswith("ckpt-s000000016-"), dirs  # its upload was cut at model.pt
+    assert dirs[partial[0]] == {"config.json", "metrics.json"}, dirs[partial[0]]  # sorted: these two, then model.pt
+    assert re.search(r"resumed from s3://\S+/ckpt-s000000008-", text), text[-4000:]
+    rows = verify_all(s3, run)
+    committed = [r for r in rows if r["name"] != partial[0]]
+    assert committed and all(r["verified"] for r in committed), rows
+    assert [r["global_step"] for r in committed] == list(range(8, EPOCHS * STEPS_PER_EPOCH + 1, 8))
