@@ -38,6 +38,8 @@ METHOD = """\
 - **Exporter on** means rank 0 serves `/metrics` and the bench scrapes it every 5 s (every 0.5 s in (d) and
   (e), and 20 Hz until the first step); **off** is `metrics.enabled=false`. Its cost is 1 - the median of the
   per-round on/off ratios (each round runs both back to back, so slow load drifts cancel within a pair).
+- **Preemption agreement** (p): the kit as in (a) and (b) against the same run with
+  `failure.preemption_checkpoint=false` (no SIGTERM handler, no per-step flag); cost as for the exporter.
 - **Script mode** (s): the twin itself, unchanged, under `ray-app run` (Ray Train's workers, its process group,
   a private Ray started by the command) against the twin under `torchrun`; the script measures both the same
   way in process. Its time to first step is shown beside the plug-in mode's (`ray-app train`, the same

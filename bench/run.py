@@ -7,7 +7,8 @@
 Cases: (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
-(g) metrics exporter on vs off; (s) script mode: the twin itself under `ray-app run`
+(g) metrics exporter on vs off; (p) the per-step preemption agreement on vs off, workloads
+of (a) and (b); (s) script mode: the twin itself under `ray-app run`
 vs torchrun, beside the plug-in mode's time to first step; (v, not in the default set) start-up experiments
 with bench/variants.py. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
 order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
@@ -68,7 +69,7 @@ WORKLOADS = {
     },
 }
 GPU_CASES = "a,c,d"
-DEFAULT_CASES = "a,b,c,d,e,f,g,s"
+DEFAULT_CASES = "a,b,c,d,e,f,g,p,s"
 VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0")
 
 
@@ -89,6 +90,7 @@ class Plan:
         twin = lambda o, **kw: Spec("twin", o, **kw)  # noqa: E731
         startup = w["compute"] + ((f"train.max_steps={w['startup_steps']}",) if w["startup_steps"] else ())
         off = ("metrics.enabled=false",)
+        no_notice = ("failure.preemption_checkpoint=false",)
         one_worker = w["compute"] + (f"train.max_steps={w['one_worker_steps']}",)
         ckpt = {"none": w["ckpt"],
                 "final": w["ckpt"] + ("checkpoint.every_epochs=1000", "checkpoint.upload=async"),  # the end only
@@ -106,6 +108,9 @@ class Plan:
                   "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},
             # "on" spelled out, so it is a run of its own and not case (a)'s kit run: on and off back to back
             "g": {"on": kit(w["compute"] + ("metrics.enabled=true",)), "off": kit(w["compute"] + off)},
+            # the preemption agreement: on is case (a)'s and (b)'s kit run, off a run of its own beside it
+            "p": {"a on": kit(w["compute"]), "a off": kit(w["compute"] + no_notice),
+                  "b on": kit(w["comm"]), "b off": kit(w["comm"] + no_notice)},
             # script mode: the twin, a torchrun-style script, unchanged under `ray-app run` (case (a)'s twin run)
             "s": {"ray-app run": Spec("script", w["compute"]), "torchrun": twin(w["compute"]),
                   "ray-app train": kit(w["compute"])},
@@ -129,7 +134,9 @@ class Plan:
                       "c": {"kit cold": k2, "twin": t1, "kit warm": k1}, "d": {"none": k3, "sync": k1, "async": k2},
                       "e": {"kit": k1, "twin": t1}, "f": {"kit 2": k1, "twin 2": t1, "kit 1": k4, "twin 1": t3},
                       "g": {"on": k1, "off": k4},
-                      "s": {"ray-app run": Spec("script", w["comm"]), "torchrun": t2, "ray-app train": k3}}
+                      "s": {"ray-app run": Spec("script", w["comm"]), "torchrun": t2, "ray-app train": k3},
+                      "p": {"a on": k4, "a off": Spec("kit", k4.overrides + ("failure.preemption_checkpoint=false",),
+                                                      workers=1, launch="warm")}}
 
     def _gpu_specs(self, w: dict) -> None:
         """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
@@ -440,6 +447,22 @@ def _v(run: dict, key: str):
     return tail_s(run) if key == "tail_s" else run.get(key)
 
 
+def rows_p(r: Runner) -> list[dict]:
+    """Cost of the preemption agreement (one overlapped all-reduce per step) = 1 - the median of the
+    per-round on/off ratios, for the workloads of (a) and (b)."""
+    out = []
+    for w, title in (("a", "compute-bound"), ("b", "communication-bound")):
+        if f"{w} on" not in r.plan.specs["p"]:
+            continue  # the smoke measures one workload
+        ons, offs = r.runs("p", f"{w} on"), r.runs("p", f"{w} off")
+        q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(ons, offs))
+        cost = 1 - q if q is not None else None
+        out.append(_row("p", f"preemption agreement on vs off, {title} ({w}), steady samples/s (ratio = cost, "
+                        "from the median per-round ratio)", med(ons, "steady_sps"), med(offs, "steady_sps"), cost,
+                        "<= 0.005", cost is not None and cost <= 0.005, paired(ons, offs, "steady_sps") + " (on / off)"))
+    return out
+
+
 def rows_s(r: Runner) -> list[dict]:
     """Script mode: the same script under `ray-app run` and torchrun; the plug-in mode's start beside."""
     script, twin, plugin = r.runs("s", "ray-app run"), r.runs("s", "torchrun"), r.runs("s", "ray-app train")
@@ -460,7 +483,7 @@ def rows_s(r: Runner) -> list[dict]:
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
-             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "s": rows_s, "v": rows_v}
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "p": rows_p, "s": rows_s, "v": rows_v}
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)

@@ -340,7 +340,9 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
-            callbacks=[preemption.worker_callback()] if cfg.failure.preemption_checkpoint else [],
+            # the notice only means something to the kit's own loop: a script or an evaluation keeps Ray's exit
+            callbacks=[preemption.worker_callback()] if cfg.failure.preemption_checkpoint and job["mode"] == "train"
+            else [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's own INFO lines (every report, every rank) drown the progress lines
             logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-CASES = "abcdefgs"
+CASES = "abcdefgps"
 
 
 def test_bench_smoke_writes_well_formed_results(tmp_path):
