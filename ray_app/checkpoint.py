@@ -104,7 +104,8 @@ class CheckpointPayload:
     scheduler: dict
     scaler: dict
     rng_per_rank: list[dict]
-    state: dict  # epoch, global_step, batches_done (in the epoch), epochs_completed, ...
+    state: dict  # state.json: epoch, batches_done (in the epoch), global_step, world_size, last_eval (the newest
+    #              eval metrics: a resumed run's summary and checkpoints carry them until it evaluates again)
     config: dict
     metrics: dict = field(default_factory=dict)
 

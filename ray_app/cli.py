@@ -31,12 +31,13 @@ def _config_args(p: argparse.ArgumentParser, config_default: str | None = "confi
     p.add_argument("--config", default=None, metavar="FILE",
                    help=f"YAML run config (default: {config_default} if it exists, else built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set train.epochs=5 (repeatable)")
+                   help="override one config key, e.g. --set train.epochs=5 (repeatable; `ray-app config keys` "
+                        "lists them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ray-app", description="PyTorch DDP training on Ray Train: train, evaluate, inspect checkpoints, "
-                                            "run your own DDP script.")
+                                            "run your own DDP script, list the config's keys.")
     p.add_argument("--version", action="version", version=f"ray-app {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script", nargs="?", metavar="SCRIPT", help="the script, e.g. train.py")
     # REMAINDER: everything after SCRIPT is the script's, its own --flags included (as torchrun parses it)
     r.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+
+    g = sub.add_parser("config", help="every config key with its default and help, or the JSON Schema of config files")
+    gsub = g.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    k = gsub.add_parser("keys", help="every config key: type, default and help")
+    k.add_argument("--markdown", action="store_true", help="as the README's table (header and rows)")
+    gsub.add_parser("schema", help="the JSON Schema (draft 2020-12) of config files, for editors "
+                                   "(configs/schema.json is its output)")
     return p
 
 
@@ -143,6 +151,16 @@ def cmd_run(args) -> int:
         raise UserError("SCRIPT is missing: ray-app run [--config FILE] [--set KEY=VALUE] SCRIPT [ARGS...]")
     script = check_script(args.script)  # before the config and Ray: a typo in the name costs nothing
     _emit_summary(launch_script(_load(args), script, args.args), None)
+    return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from ray_app import config_reference as ref
+
+    if args.action == "schema":
+        sys.stdout.write(ref.schema_json())
+    else:
+        sys.stdout.write(ref.keys_markdown() if args.markdown else ref.keys_text())
     return EXIT_OK
 
 
@@ -224,7 +242,7 @@ def _terminate(signum, frame):
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints,
-            "run": cmd_run}
+            "run": cmd_run, "config": cmd_config}
 
 
 def _checkpoint_error() -> tuple:

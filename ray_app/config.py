@@ -31,6 +31,8 @@ def _f(default, help: str, choices=None, min=None, max=None, nullable=False):
 
 @dataclass
 class RunSection:
+    """The run: its name, seed and where its checkpoints live."""
+
     name: str = _f("digits-ddp", "Run name: checkpoints live under {storage}/{name}/; the same name resumes.")
     seed: int = _f(0, "Seed for model init, data order and every rank's RNG.", min=0)
     storage: str = _f("./runs", "Where runs live: a local folder or s3://bucket/prefix.")
@@ -44,6 +46,8 @@ def _args(help: str):
 
 @dataclass
 class DataSection:
+    """The data set plug-in, its arguments and the loaders."""
+
     name: str = _f("digits", "Data set: digits, synthetic, cifar10, imagefolder, or your own factory "
                    "package.module:function returning (train, eval) or (train, eval, info).")
     args: dict = _args("Keyword arguments of the data factory (synthetic: num_samples, image_size; "
@@ -56,6 +60,8 @@ class DataSection:
 
 @dataclass
 class ModelSection:
+    """The model plug-in and its arguments."""
+
     name: str = _f("digits_cnn", "Model: digits_cnn, mlp, wide_mlp, a torchvision classifier (resnet18, ...), "
                    "or your own package.module:Class (an nn.Module class or a function returning one).")
     args: dict = _args("Keyword arguments of the model; entries of the data's info (num_classes, ...) fill "
@@ -64,6 +70,8 @@ class ModelSection:
 
 @dataclass
 class TaskSection:
+    """The task plug-in (loss and eval metrics) and its arguments."""
+
     name: str = _f("classification", "Task (loss and eval metrics): classification, regression, language_model, "
                    "or your own package.module:Class with loss(model, batch) and evaluate(model, batch).")
     args: dict = _args("Keyword arguments of the task (classification: label_smoothing).")
@@ -71,6 +79,8 @@ class TaskSection:
 
 @dataclass
 class TrainSection:
+    """Optimisation: epochs, optimizer, LR schedule, accumulation, clipping, precision."""
+
     epochs: int = _f(10, "Number of epochs.", min=1)
     lr: float = _f(0.05, "Peak learning rate (after warmup).", min=0.0)
     optimizer: str = _f("sgd", "Optimizer.", choices=["sgd", "adamw"])
@@ -87,6 +97,8 @@ class TrainSection:
 
 @dataclass
 class CheckpointSection:
+    """When checkpoints are written, how many are kept, how they are uploaded."""
+
     every_epochs: int = _f(1, "Checkpoint every N epochs (0 = never at epoch ends).", min=0)
     every_steps: int = _f(0, "Also checkpoint every N optimizer steps, mid-epoch included (0 = off).", min=0)
     keep: int = _f(3, "Newest committed checkpoints kept (older ones deleted).", min=1)
@@ -96,6 +108,8 @@ class CheckpointSection:
 
 @dataclass
 class ScalingSection:
+    """Training workers and the resources each one reserves."""
+
     num_workers: int = _f(2, "Training workers (one per GPU, or CPU slot).", min=1)
     use_gpu: bool = _f(False, "Train on GPUs with NCCL (else CPU with Gloo).")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker.", min=0.0)
@@ -104,6 +118,8 @@ class ScalingSection:
 
 @dataclass
 class FailureSection:
+    """What happens when workers fail."""
+
     max_failures: int = _f(3, "Worker-group restarts after failures (-1 = unlimited); an exception in your own code "
                            "that recurs at the same step after a restart ends the run sooner.", min=-1)
     preemption_checkpoint: bool = _f(True, "On a SIGTERM to a worker (a drained or preempted node, a stopped "
@@ -121,12 +137,16 @@ class FailureSection:
 
 @dataclass
 class MetricsSection:
+    """Rank 0's Prometheus exporter."""
+
     enabled: bool = _f(True, "Rank 0 serves Prometheus metrics.")
     port: int = _f(9500, "Port of rank 0's /metrics endpoint.", min=1, max=65535)
 
 
 @dataclass
 class Config:
+    """A whole run config: one section per part of the run."""
+
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -248,7 +268,7 @@ def parse_override(text: str) -> dict:
     if len(parts) > 2 and all(parts) and _field(parts[0], parts[1]) is not None \
             and _field(parts[0], parts[1]).type == "dict":
         # section.args.name=value (or deeper): one keyword argument of a plug-in, a YAML scalar
-        value: Any = _yaml_scalar(raw)
+        value: Any = _yaml_scalar(raw, text, key.strip())
         for name in reversed(parts[2:]):
             value = {name: value}
         return {parts[0]: {parts[1]: value}}
@@ -257,12 +277,12 @@ def parse_override(text: str) -> dict:
     fld = _field(parts[0], parts[1])
     if fld is not None and fld.type == "str":
         return {parts[0]: {parts[1]: raw.strip()}}  # taken as written: run.name=007 stays "007"
-    return {parts[0]: {parts[1]: _yaml_scalar(raw)}}
+    return {parts[0]: {parts[1]: _yaml_scalar(raw, text, key.strip())}}
 
 
-def _yaml_scalar(raw: str) -> Any:
+def _yaml_scalar(raw: str, text: str, key: str) -> Any:
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw, f"--set {text}", key) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return "" if value is None else value
@@ -290,20 +310,79 @@ def _check_cross_field(cfg: Config) -> None:
                           "or lower failure.storage_retry_s")
 
 
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The YAML tree of a config file: UTF-8, valid YAML, no key given twice."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file; pass an existing YAML file (see configs/)")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror}); check its permissions") from None
+    try:
+        return parse_yaml(_utf8_text(data, path), f"--config {path}") or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"--config {path}:{where} is not valid YAML; fix the syntax") from None
+
+
+def _utf8_text(data: bytes, path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"--config {path}: byte {exc.start} (line {line}, 0x{data[exc.start]:02x}) is not UTF-8; "
+                          "save the file as UTF-8") from None
+
+
+def parse_yaml(text: str, origin: str, key: str = "") -> Any:
+    """``yaml.safe_load``, except that a mapping giving one key twice is a ConfigError (PyYAML keeps the last).
+    Syntax errors raise ``yaml.YAMLError``."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _reject_duplicate_keys(node, origin, key, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *base` then a key of base: an override, not a duplicate
+
+
+def _reject_duplicate_keys(node: yaml.Node, origin: str, path: str, seen_nodes: set) -> None:
+    if id(node) in seen_nodes:  # an alias of a node already checked (possibly recursive)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _reject_duplicate_keys(item, origin, f"{path}[{i}]", seen_nodes)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        named = isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG
+        key = f"{path}.{key_node.value}" if path and named else (key_node.value if named else path)
+        if named and key in lines:
+            raise ConfigError(f"{origin}: key {key} is given twice ({_lines(lines[key], key_node.start_mark.line + 1)}); "
+                              "keep one of them")
+        if named:
+            lines[key] = key_node.start_mark.line + 1
+        _reject_duplicate_keys(value_node, origin, key, seen_nodes)
+
+
+def _lines(first: int, second: int) -> str:
+    return f"lines {first} and {second}" if first != second else f"line {first}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated once."""
     cfg = Config()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config {path}: no such file; pass an existing YAML file (see configs/)")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"--config {path}:{where} is not valid YAML; fix the syntax") from None
-        _apply(cfg, tree, str(path))
+        _apply(cfg, read_config_file(path), str(path))
     _apply_overrides(cfg, overrides or [])
     _check_cross_field(cfg)
     _absolute_local_paths(cfg)
@@ -352,19 +431,6 @@ def _migrated(tree: dict) -> dict:
     wanted = {"synthetic": LEGACY_DATA_KEYS, "imagefolder": ("image_size",)}.get(data.get("name"), ())
     data["args"] = {**{k: v for k, v in legacy.items() if k in wanted}, **data.get("args", {})}
     return {**tree, "data": data}
-
-
-def describe_keys() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, help) for every key, for the README and ``--help``."""
-    rows = []
-    for sec in dataclasses.fields(Config):
-        for f in dataclasses.fields(_section_class(sec.name)()):
-            help_text = f.metadata["help"]
-            if f.metadata.get("choices"):
-                help_text += f" One of: {', '.join(f.metadata['choices'])}."
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            rows.append((f"{sec.name}.{f.name}", str(f.type), default, help_text))
-    return rows
 
 
 # What a checkpoint's state depends on: a run resumes only with these unchanged. Everything

@@ -53,6 +53,12 @@ METRICS = {
     "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
 }
 
+# name -> its label names (README and docs/metrics.md list them); every other metric has none.
+METRIC_LABELS = {
+    "ray_app_info": ("run", "model", "dataset", "task", "version"),
+    "ray_app_eval_metric": ("name",),
+}
+
 # The single-metric eval gauges from before tasks named their metrics: the task's
 # metric name -> the gauge that repeats ray_app_eval_metric{name=...} for it.
 LEGACY_EVAL_GAUGES = {"loss": "ray_app_eval_loss", "accuracy": "ray_app_eval_accuracy"}
@@ -180,7 +186,7 @@ class PrometheusMetrics(NullMetrics):
         self.serving_port = None
         h = {k: v[1] for k, v in METRICS.items()}
         g = lambda name, labels=(): Gauge(name, h[name], labels, registry=reg)  # noqa: E731
-        self.info = g("ray_app_info", ("run", "model", "dataset", "task", "version"))
+        self.info = g("ray_app_info", METRIC_LABELS["ray_app_info"])
         self.train_loss = g("ray_app_train_loss")
         self.samples = Counter("ray_app_samples_processed", h["ray_app_samples_processed_total"], registry=reg)
         self.samples_per_second = g("ray_app_samples_per_second")
@@ -189,7 +195,7 @@ class PrometheusMetrics(NullMetrics):
         self.global_step = g("ray_app_global_step")
         self.lr = g("ray_app_learning_rate")
         # One series per metric name the task reports; none before this worker group's first eval.
-        self.eval_metric = g("ray_app_eval_metric", ("name",))
+        self.eval_metric = g("ray_app_eval_metric", METRIC_LABELS["ray_app_eval_metric"])
         # NaN until the first eval (and for good if the task reports no such metric):
         # dashboards show a gap, not a fake 0% accuracy.
         self.legacy_eval = {name: g(gauge) for name, gauge in LEGACY_EVAL_GAUGES.items()}

@@ -107,6 +107,26 @@ def test_malformed_yaml_exits_2(run_cli, tmp_path):
     assert str(bad) in one_error_line(err)
 
 
+@pytest.mark.parametrize("command", ["train", "preflight"])
+def test_a_key_given_twice_exits_2_naming_file_key_and_lines(run_cli, tmp_path, command):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  epochs: 2\n  epochs: 0\n")  # were the first one dropped, 0 would fail another way
+    rc, out, err = run_cli([command, "--config", str(dup)], cwd=tmp_path, timeout=60)
+    assert rc == 2, (out, err)
+    line = one_error_line(err)
+    assert str(dup) in line and "train.epochs" in line and "lines 2 and 3" in line
+    assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["dup.yaml"]
+
+
+def test_a_config_that_is_not_utf8_exits_2(run_cli, tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("run:\n  name: caf".encode() + b"\xe9\n")
+    rc, _, err = run_cli(["train", "--config", str(bad)], cwd=tmp_path, timeout=60)
+    assert rc == 2
+    line = one_error_line(err)
+    assert str(bad) in line and "byte 16" in line and "UTF-8" in line
+
+
 def test_missing_config_file_exits_2(run_cli, tmp_path):
     rc, out, err = run_cli(["train", "--config", str(tmp_path / "nope.yaml")], cwd=tmp_path, timeout=60)
     assert rc == 2
@@ -123,8 +143,48 @@ def test_unknown_option_exits_2_without_traceback(run_cli):
 def test_help_lists_the_commands(run_cli):
     rc, out, err = run_cli(["--help"], timeout=60)
     assert rc == 0, err
-    for cmd in ("train", "eval", "checkpoints", "preflight"):
+    for cmd in ("train", "eval", "checkpoints", "preflight", "config"):
         assert cmd in out
+
+
+def _commands() -> set[str]:
+    """Every command of the parser: `train`, `checkpoints list`, `config schema`, ..."""
+    import argparse
+
+    from ray_app.cli import build_parser
+
+    def subcommands(parser) -> dict:
+        return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    out = set()
+    for name, parser in subcommands(build_parser()).items():
+        out |= {f"{name} {action}" for action in subcommands(parser)} or {name}
+    return out
+
+
+def test_readme_command_line_lists_every_command():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("\n## Command line\n", 1)[1].split("```", 2)[1]
+    documented = set()
+    for line in block.splitlines():
+        words = line.split("#")[0].split()
+        if words[:1] == ["ray-app"]:
+            documented |= {f"{words[1]} {a}" for a in words[2].split("|")} if words[1] in ("checkpoints", "config") \
+                else {words[1]}
+    assert documented == _commands()
+
+
+def test_config_keys_lists_every_key_with_its_default(run_cli):
+    from ray_app.config_reference import describe_keys, format_default, keys_markdown
+
+    rc, out, err = run_cli(["config", "keys"], timeout=60)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert len(lines) == len(describe_keys())
+    for line, (key, typ, default, help_text) in zip(lines, describe_keys()):
+        assert line.split()[:3] == [key, typ, format_default(default)] and line.endswith(help_text)
+    rc, out, _ = run_cli(["config", "keys", "--markdown"], timeout=60)
+    assert rc == 0 and out == keys_markdown()
 
 
 def test_train_help_lists_config_and_set(run_cli):

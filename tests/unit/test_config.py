@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from ray_app.config import Config, ConfigError, describe_keys, load_config, parse_override
+from ray_app.config import Config, ConfigError, load_config, parse_override
+from ray_app.config_reference import describe_keys, format_default, keys_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -126,6 +129,50 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
     assert str(f) in str(exc.value) and "line" in str(exc.value)
 
 
+@pytest.mark.parametrize("text, key, lines", [
+    ("train:\n  epochs: 2\n  epochs: 3\n", "train.epochs", "lines 2 and 3"),
+    ("train:\n  epochs: 2\nrun: {}\ntrain:\n  lr: 0.1\n", "key train ", "lines 1 and 4"),
+    ("model:\n  args:\n    opt: {beta: 0.9, beta: 0.5}\n", "model.args.opt.beta", "line 3"),
+    ("data:\n  args:\n    sizes:\n      - {a: 1}\n      - {a: 1,\n         a: 2}\n", "data.args.sizes[1].a", "lines 5 and 6"),
+])
+def test_a_key_given_twice_in_yaml_names_file_key_and_lines(tmp_path, text, key, lines):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, [])
+    msg = str(exc.value)
+    assert str(f) in msg and key in msg and lines in msg and "twice" in msg and "\n" not in msg
+
+
+def test_yaml_merge_keys_override_without_being_duplicates(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  args:\n    <<: {hidden: 8, depth: 2}\n    hidden: 16\n")
+    assert load_config(f, []).model.args == {"hidden": 16, "depth": 2}
+
+
+def test_a_key_given_twice_in_a_set_value():
+    with pytest.raises(ConfigError, match=r"--set .*model\.args\.a is given twice"):
+        load_config(None, ["model.args={a: 1, a: 2}"])
+
+
+def test_a_file_that_is_not_utf8_names_the_byte_and_the_fix(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes("run:\n  name: caf".encode() + b"\xe9\n")  # Latin-1
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, [])
+    msg = str(exc.value)
+    assert str(f) in msg and "byte 16" in msg and "line 2" in msg and "save the file as UTF-8" in msg
+
+
+def test_utf8_text_and_a_byte_order_mark_are_read(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes("\ufeffrun:\n  name: café\n".encode())
+    with pytest.raises(ConfigError, match="run.name"):  # read as text, then rejected as a run name
+        load_config(f, [])
+    f.write_bytes("\ufeff# données\ntrain:\n  epochs: 4\n".encode())
+    assert load_config(f, []).train.epochs == 4
+
+
 def test_section_that_is_not_a_mapping(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("train: 5\n")
@@ -223,23 +270,37 @@ def test_string_keys_are_taken_as_written():
     assert load_config(None, ["run.name=true"]).run.name == "true"
 
 
-def test_readme_config_reference_matches_the_code():
-    """The README's config table is the one `describe_keys()` gives: same keys, defaults and help."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines()
-            if line.startswith("| `") and "." in line.split("|")[1]}
-    for key, typ, _default, help_text in describe_keys():
-        assert key in rows, f"README config table lacks {key}"
-        cells = [c.strip() for c in rows[key].split("|")[1:-1]]
-        assert cells[1] == typ, key
-        assert cells[3].startswith(help_text), key
+def readme_config_rows() -> dict[str, tuple[str, str, str]]:
+    """{key: (type, default, meaning)} of the README's "## Configuration" table."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \| (\w+) \| `(.*?)` \| (.*) \|$", section, re.M)
+    assert len({r[0] for r in rows}) == len(rows), "a key has two rows"
+    return {key: (typ, default, meaning) for key, typ, default, meaning in rows}
 
 
-def test_describe_keys_defaults_are_the_config_defaults():
-    defaults = Config().to_dict()
-    for key, _typ, default, _help in describe_keys():
+def test_readme_config_table_has_every_key_with_its_type_default_and_help():
+    """Row by row: a key the code lacks, a key the README lacks, another default or help all fail."""
+    documented = readme_config_rows()
+    code = {key: (typ, format_default(default), help_text) for key, typ, default, help_text in describe_keys()}
+    hint = "regenerate the table with `ray-app config keys --markdown`"
+    assert sorted(documented.keys() - code.keys()) == [], f"README documents keys the code does not have; {hint}"
+    assert sorted(code.keys() - documented.keys()) == [], f"README lacks keys; {hint}"
+    for key in code:
+        assert documented[key] == code[key], f"{key}: README row differs from the code; {hint}"
+    assert f"\n{keys_markdown()}" in (REPO / "README.md").read_text(), f"rows out of the code's order; {hint}"
+
+
+def test_documented_defaults_are_what_a_run_without_config_gets(tmp_path, monkeypatch):
+    """Each default, written as in the README, is the value load_config gives when no file or --set names it
+    (local paths made absolute against the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    loaded = load_config(None, []).to_dict()
+    absolute = {"run.storage": str(tmp_path / "runs")}
+    for key, (_typ, default, _help) in readme_config_rows().items():
         section, name = key.split(".")
-        assert default == defaults[section][name], key
+        expected = absolute.get(key, "" if default == '""' else yaml.safe_load(default))
+        assert loaded[section][name] == expected, key
 
 
 # ---------------------------------------------------------------- plug-in args and task

@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
-from ray_app.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
+from ray_app.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRIC_LABELS, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
 from tests.helpers import promtool
 
 GPU_METRICS = {"ray_app_gpu_memory_allocated_bytes", "ray_app_gpu_memory_max_allocated_bytes"}
@@ -325,13 +325,54 @@ def test_dashboard_covers_the_contract():
     assert sorted(set(METRICS) - used - base - {b + "_total" for b in base} - legacy) == []
 
 
+def doc_table(path: Path, heading: str) -> list[list[str]]:
+    """The cells of each row of the table under ``heading`` whose first cell names a ray_app_ metric."""
+    section = path.read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| `ray_app_")]
+
+
 def test_readme_metrics_table_is_the_contract():
-    """README's "## Metrics" table lists exactly METRICS: same names, types and help text."""
-    readme = (MONITORING.parent / "README.md").read_text()
-    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(ray_app_[a-z0-9_]+)` \| (\w+) \| (.*) \|$", section, re.M)
-    assert {name: (kind, help_text) for name, kind, help_text in rows} == METRICS
+    """README's "## Metrics" table lists exactly METRICS and METRIC_LABELS: names, types, labels, help text.
+    A row for a metric the code lacks fails, so does a metric without a row."""
+    rows = doc_table(MONITORING.parent / "README.md", "## Metrics")
+    documented = {name.strip("`"): (kind, () if labels == "-" else tuple(labels.split(", ")), help_text)
+                  for name, kind, labels, help_text in rows}
+    code = {name: (kind, METRIC_LABELS.get(name, ()), help_text) for name, (kind, help_text) in METRICS.items()}
+    assert sorted(documented.keys() - code.keys()) == [], "README lists metrics the exporter does not have"
+    assert sorted(code.keys() - documented.keys()) == [], "README lacks metrics"
+    for name in code:
+        assert documented[name] == code[name], name
     assert len(rows) == len(METRICS)
+
+
+def test_docs_metrics_table_names_every_metric_with_its_labels():
+    """docs/metrics.md writes ``name{label,...}``: the same names, types and labels as the code."""
+    rows = doc_table(MONITORING.parent / "docs" / "metrics.md", "## Metrics")
+    documented = {}
+    for cell, kind, _meaning in rows:
+        name, _, labels = cell.strip("`").rstrip("}").partition("{")
+        documented[name] = (kind, tuple(labels.split(",")) if labels else ())
+    assert documented == {name: (kind, METRIC_LABELS.get(name, ())) for name, (kind, _) in METRICS.items()}
+
+
+def contract_name(sample: str) -> str:
+    """The METRICS name a served sample belongs to (``_bucket`` of a histogram, ``_created`` of a counter, ...)."""
+    if sample in METRICS:
+        return sample
+    base = re.sub(r"_(bucket|sum|count|created|total)$", "", sample)
+    return base if base in METRICS else f"{base}_total"
+
+
+def test_served_series_carry_exactly_the_documented_labels(exporter):
+    _, text = exporter
+    labels: dict[str, set] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(contract_name(sample.name), set()).update(set(sample.labels) - {"le"})
+    assert labels.keys() <= METRICS.keys()
+    assert {name: tuple(sorted(names)) for name, names in labels.items()} == \
+        {name: tuple(sorted(METRIC_LABELS.get(name, ()))) for name in labels}
 
 
 def test_exporter_accounts_for_its_own_cost(exporter):
