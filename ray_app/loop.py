@@ -38,7 +38,7 @@ from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state, restore_rng_state
 from ray_app.config import Config, resume_conflicts
 from ray_app.plugins import PluginError, build_data, build_model, build_task
-from ray_app.preemption import Agreement, Preempted
+from ray_app.preemption import TRAINING, Agreement, Preempted
 
 # ---------------------------------------------------------------- the seams (real objects and test fakes)
 
@@ -399,8 +399,14 @@ class Trainer:
         self.restore()
         self._announce()
         self.stats.start_training(self.pos.global_step)
-        while self.pos.epoch < self.cfg.train.epochs and not self._done():
-            self.train_epoch(self.pos.epoch)
+        if self.preemption.enabled:
+            TRAINING.set()  # a SIGTERM from now on is a notice to checkpoint (ray_app.preemption)
+        try:
+            while self.pos.epoch < self.cfg.train.epochs and not self._done():
+                self.train_epoch(self.pos.epoch)
+        finally:
+            TRAINING.clear()
+        self.preemption.close()  # the last step's flag is still on its way
         self.last_eval = self.evaluate()
         summary = self._final_metrics()
         self._final_checkpoint(summary)

@@ -21,6 +21,8 @@ import threading
 import time
 
 NOTICE = threading.Event()
+TRAINING = threading.Event()  # set while the training loop runs: only there can a notice be acted on
+_RAYS_HANDLER: list = []  # what SIGTERM did before install(): Ray's exit
 
 
 class Preempted(RuntimeError):
@@ -34,13 +36,26 @@ def notify(why: str) -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
-    notify("SIGTERM")  # only sets a flag: the training thread acts on it at a step boundary
+    """While the loop trains, the first SIGTERM is a notice (a flag the training thread acts on at a step
+    boundary). Outside it (start-up, a group Ray tears down after an error or the end) and on a second
+    SIGTERM, Ray's own handler runs: the worker exits."""
+    if TRAINING.is_set() and not NOTICE.is_set():
+        notify("SIGTERM")
+        return
+    previous = _RAYS_HANDLER[0] if _RAYS_HANDLER else signal.SIG_DFL
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
 
 
 def install() -> None:
     """In the worker process's main thread (Python runs signal handlers there): replaces Ray's
     exit-on-SIGTERM with the notice, and starts the drain watch."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    if previous is not _on_sigterm:
+        _RAYS_HANDLER[:] = [previous]
     threading.Thread(target=watch_drain, name="ray-app-drain-watch", daemon=True).start()
 
 

@@ -1,0 +1,32 @@
+"""The SIGTERM handler of ray_app.preemption: a notice while the loop trains, Ray's exit otherwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ray_app import preemption
+
+
+def deliver() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)  # Python runs the handler in the main thread at its next instruction
+
+
+def test_sigterm_is_a_notice_only_while_training_and_a_second_one_exits():
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("ray's exit"))
+    try:
+        preemption.install()  # outside Ray the drain watch stops at once
+        deliver()  # start-up or teardown: Ray's handler, as without the kit
+        assert seen == ["ray's exit"] and not preemption.NOTICE.is_set()
+        preemption.TRAINING.set()
+        deliver()  # the loop runs: a notice, the worker goes on to the next step boundary
+        assert preemption.NOTICE.is_set() and seen == ["ray's exit"]
+        deliver()  # a second SIGTERM: exit now
+        assert seen == ["ray's exit", "ray's exit"]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        preemption.NOTICE.clear()
+        preemption.TRAINING.clear()
