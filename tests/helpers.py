@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -52,3 +53,35 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 120, cwd:
     proc = subprocess.run([*command, *args], cwd=str(cwd or REPO), env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def train_workers(pid: int) -> list:
+    """The Ray Train worker processes under process ``pid`` (a driver that started its own Ray)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@contextlib.contextmanager
+def token_ray_head(home: Path, gcs: int, dashboard: int, extra_env: dict | None = None):
+    """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs); yields its env and addresses."""
+    import secrets
+
+    bin_dir = Path(sys.executable).parent
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))},
+           "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
+    start = [str(bin_dir / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dashboard}", "--disable-usage-stats", "--include-dashboard=true"]
+    subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
+    try:
+        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
+    finally:
+        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)

@@ -48,7 +48,7 @@ def docker_engine() -> None:
 
 @pytest.fixture(scope="session")
 def test_secrets() -> Secrets:
-    """Credentials made for this session: in the build's and the containers' environments only."""
+    """Credentials made for this test run: in the build's and the containers' environments only."""
     return Secrets.generate()
 
 

@@ -25,6 +25,8 @@ import psutil
 import pytest
 import torch
 
+from tests.helpers import train_workers
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,14 +77,7 @@ class Run:
         return next((t for t, line in self.lines if re.search(pattern, line)), None)
 
     def workers(self) -> list[psutil.Process]:
-        found = []
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if "RayTrainWorker" in " ".join(p.cmdline()):
-                    found.append(p)
-            except psutil.Error:
-                continue
-        return found
+        return train_workers(self.proc.pid)
 
 
 def final_model(storage: Path, summary: dict) -> dict:

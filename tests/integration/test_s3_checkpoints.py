@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from tests.helpers import train_workers
 from tests.integration.s3server import start_s3_server
 
 pytestmark = pytest.mark.integration
@@ -125,19 +126,6 @@ def reference(s3):
     return model_state(s3, summary["checkpoint"])
 
 
-def _train_workers(driver: psutil.Process) -> list[psutil.Process]:
-    """Ray Train worker processes (started by the local Ray the driver launched)."""
-    found = []
-    for p in driver.children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "RayTrainWorker" in cmd:
-            found.append(p)
-    return found
-
-
 def test_worker_sigkill_mid_epoch_resumes_bit_identical(s3, reference):
     """A training worker is SIGKILLed after a mid-epoch (step) checkpoint; Ray Train restarts the group.
 
@@ -159,7 +147,7 @@ def test_worker_sigkill_mid_epoch_resumes_bit_identical(s3, reference):
                 break
             time.sleep(0.1)
         assert target is not None, "no mid-epoch checkpoint appeared"
-        workers = _train_workers(psutil.Process(proc.pid))
+        workers = train_workers(proc.pid)
         assert len(workers) == 2, workers
         victim = workers[-1]
         os.kill(victim.pid, signal.SIGKILL)  # from outside, like a real crash

@@ -15,17 +15,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, token_ray_head, train_workers
 from tests.integration.ddp_script import lines_of, write_scripts
 
 pytestmark = pytest.mark.integration
@@ -121,19 +119,8 @@ def test_a_script_that_raises_exits_1_with_its_traceback_once_and_is_not_retried
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory, port_picker):
     """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs)."""
-    home = tmp_path_factory.mktemp("ray-home")
-    token = secrets.token_hex(16)
-    gcs, dashboard = port_picker(), port_picker()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))},
-           "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "OMP_NUM_THREADS": "1",
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    start = [str(BIN / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dashboard}", "--disable-usage-stats", "--include-dashboard=true"]
-    subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
-    try:
-        yield {"env": env, "jobs": f"http://127.0.0.1:{dashboard}"}
-    finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+    with token_ray_head(tmp_path_factory.mktemp("ray-home"), port_picker(), port_picker(), {"OMP_NUM_THREADS": "1"}) as head:
+        yield head
 
 
 def test_ray_job_submit_with_the_working_dir_runs_the_same_script(project, ray_head, reference, tmp_path):
@@ -147,17 +134,6 @@ def test_ray_job_submit_with_the_working_dir_runs_the_same_script(project, ray_h
 
 
 # ---------------------------------------------------------------- a worker SIGKILLed mid-run
-
-def _train_workers(driver: psutil.Process) -> list[psutil.Process]:
-    found = []
-    for p in driver.children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
 
 def _committed(run_dir: Path) -> int:
     return len(list(run_dir.glob("ckpt-s*/manifest.json")))
@@ -175,7 +151,7 @@ def run_and_kill(project: Path, args: list[str], ready) -> tuple[int, str]:
         while time.time() < deadline and proc.poll() is None and not ready():
             time.sleep(0.05)
         assert proc.poll() is None and ready(), "the run ended (or stalled) before the kill"
-        workers = _train_workers(psutil.Process(proc.pid))
+        workers = train_workers(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[-1].pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)

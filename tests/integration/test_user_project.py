@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, token_ray_head
 from tests.integration.user_project import N_EVAL, write_project
 
 pytestmark = pytest.mark.integration
@@ -230,19 +228,8 @@ def test_bad_plug_in_exits_2_with_one_line_before_ray_starts(project, config, ov
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory, port_picker):
     """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs)."""
-    home = tmp_path_factory.mktemp("ray-home")
-    token = secrets.token_hex(16)
-    gcs, dashboard = port_picker(), port_picker()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))},
-           "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    start = [str(BIN / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dashboard}", "--disable-usage-stats", "--include-dashboard=true"]
-    subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
-    try:
-        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
-    finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+    with token_ray_head(tmp_path_factory.mktemp("ray-home"), port_picker(), port_picker()) as head:
+        yield head
 
 
 def test_ray_job_submit_with_the_working_dir(project, ray_head, tmp_path):
