@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 bad input (config, arguments, credentials, missing
 bucket, unreadable or tampered checkpoint) with one line naming the key or
-resource and the fix; 1 a failure during training.
+resource and the fix; 1 a failure during training; 143 a training run stopped by
+a SIGTERM to the driver after its checkpoint was committed (130 an interrupt).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from ray_app import __version__
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 128 + signal.SIGTERM
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
 
     from ray_app.config import ConfigError
-    from ray_app.launch import TrainingFailed, UserError
+    from ray_app.launch import RunStopped, TrainingFailed, UserError
     from ray_app.storage import StorageError
 
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
@@ -267,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingFailed as exc:
         print(f"ray-app: training failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except RunStopped as exc:
+        print(f"ray-app: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print("ray-app: interrupted", file=sys.stderr)
         return 130

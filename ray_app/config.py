@@ -125,7 +125,9 @@ class FailureSection:
     preemption_checkpoint: bool = _f(True, "On a SIGTERM to a worker (a drained or preempted node, a stopped "
                                      "container) or Ray's drain notice for its node, every rank agrees at the next "
                                      "step boundary, checkpoints there and the group restarts from it: no completed "
-                                     "step is lost. false: a SIGTERM ends the worker at once, as in Ray.")
+                                     "step is lost. A SIGTERM to the driver (`ray job stop`) checkpoints the same "
+                                     "way and ends the run (exit 143); submitting it again resumes there. false: a "
+                                     "SIGTERM ends the worker, or the driver, at once, as in Ray.")
     hang_timeout_s: float = _f(300.0, "Seconds a rank may make no progress (a stopped process, a deadlock, a "
                                "collective that never returns) before the worker group restarts from the newest "
                                "checkpoint; torch's own default would be 1800. The longest legitimate wait must fit: "

@@ -187,7 +187,7 @@ def worker_main(job: dict, results=None) -> None:
     """
     from ray_app.loop import RunStats
     from ray_app.plugins import UserCodeError, plugin_roots
-    from ray_app.preemption import Preempted
+    from ray_app.preemption import Preempted, Stopped
     from ray_app.storage import open_storage
 
     stats = RunStats()
@@ -207,7 +207,7 @@ def worker_main(job: dict, results=None) -> None:
         else:
             result, trainer = _train(cfg, runtime, stats)
     except Exception as exc:
-        if isinstance(exc, (ConfigError, UserCodeError, Preempted)):
+        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped)):
             _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
             raise
         pos = getattr(trainer, "pos", None)
@@ -430,11 +430,15 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     import ray
     from ray.train import TrainingFailedError
 
+    from ray_app.preemption import stop_on_sigterm
+
     results = driver_node_queue()
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd())
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     try:
-        result = trainer.fit()
+        # the driver's SIGTERM (`ray job stop`, `docker stop`): the workers checkpoint, then the run stops
+        with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train"):
+            result = trainer.fit()
         error = result.error
     except TrainingFailedError as exc:
         error = exc
@@ -450,11 +454,15 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
 
 
 def raise_worker_failure(error) -> None:
-    """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1)."""
+    """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1);
+    one line for a run stopped at the driver's SIGTERM (exit 143)."""
     from ray_app.plugins import UserCodeError
+    from ray_app.preemption import Stopped
 
     failures = getattr(error, "worker_failures", None) or {}
     by_rank = [failures[r] for r in sorted(failures)]
+    if by_rank and all(isinstance(e, Stopped) for e in by_rank):
+        raise RunStopped(str(by_rank[0]).strip().splitlines()[0])
     bad_input = [e for e in by_rank if isinstance(e, ConfigError)]
     if bad_input:
         raise UserError(str(bad_input[0]).strip().splitlines()[0])
@@ -500,3 +508,7 @@ def run_training(cfg: Config) -> dict:
 
 class TrainingFailed(RuntimeError):
     """Training failed after all retries (exit code 1)."""
+
+
+class RunStopped(RuntimeError):
+    """The driver was sent SIGTERM and the workers' checkpoint is committed (exit code 143 = 128 + SIGTERM)."""

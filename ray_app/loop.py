@@ -38,7 +38,7 @@ from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state, restore_rng_state
 from ray_app.config import Config, resume_conflicts
 from ray_app.plugins import PluginError, build_data, build_model, build_task
-from ray_app.preemption import TRAINING, Agreement, Preempted
+from ray_app.preemption import STOP, TRAINING, Agreement, Preempted, Stopped
 
 # ---------------------------------------------------------------- the seams (real objects and test fakes)
 
@@ -337,7 +337,7 @@ class Trainer:
                  stats: RunStats | None = None, preemption: Agreement | None = None):
         self.cfg, self.rt, self.parts, self.ckpt, self.metrics = cfg, runtime, parts, checkpointer, metrics
         self.preemption = preemption or Agreement(enabled=False)  # asked at every step boundary
-        self.leaving = False  # every rank agreed on a notice: checkpoint at the next resumable boundary, leave
+        self.leaving = 0  # the kind of notice every rank agreed on (PREEMPT, STOP): checkpoint at the next resumable boundary, leave
         self._checkpointed_at = -1  # global step of this attempt's newest checkpoint
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.is_rank0 = self.rank == 0  # the one predicate that decides who logs, writes and serves
@@ -467,7 +467,7 @@ class Trainer:
             if self.pos.global_step % cfg.train.log_every_steps == 0:
                 self._log_progress(interval)
                 interval = self._new_interval()
-            self.leaving = self.preemption.poll() or self.leaving
+            self.leaving = max(self.leaving, self.preemption.poll())  # 0, PREEMPT or STOP
             if self.ckpt.step_due(self.pos, parts.batches_per_epoch) and not self._done():
                 self.checkpoint()
             if self._done():
@@ -487,9 +487,13 @@ class Trainer:
         self.ckpt.wait_committed()
         dist.barrier()  # no rank leaves before the writer's commit: the first to leave ends the group
         self.preemption.close()
-        self.print0(f"preempted: checkpoint {self.ckpt.last_uri} at step {self.pos.global_step} committed; "
-                    "the worker group restarts from it")
-        raise Preempted(f"preempted at step {self.pos.global_step}; resume from {self.ckpt.last_uri}")
+        step, uri = self.pos.global_step, self.ckpt.last_uri
+        if self.leaving == STOP:
+            self.print0(f"stopped: checkpoint {uri} at step {step} committed; submit the run again "
+                        f"(run.name {self.cfg.run.name}) to resume from it")
+            raise Stopped(f"stopped at step {step}; checkpoint {uri}")
+        self.print0(f"preempted: checkpoint {uri} at step {step} committed; the worker group restarts from it")
+        raise Preempted(f"preempted at step {step}; resume from {uri}")
 
     def _forward_backward(self, batch, group_size: int, sync: bool):
         # practice 3: DDP all-reduces gradients during backward; on non-final

@@ -2,25 +2,32 @@
 
 A notice is a SIGTERM to a worker's process (a node drain, ``kill``, a container stopped with a
 grace period) or Ray's drain notice for the worker's node (``ray drain-node``, the autoscaler, a
-``ray start`` node told to stop), which ``watch_drain`` polls every 2 s. Either sets this process's
-``NOTICE``. The training loop's ``Agreement`` carries one flag per optimizer step on an all-reduce
+``ray start --block`` node sent SIGTERM, as ``docker stop`` and a pod's deletion do), which
+``watch`` polls every 2 s. Either sets this process's ``NOTICE`` (kind ``PREEMPT``). The driver's
+own SIGTERM (``ray job stop``, ``docker stop`` of the driver's container) is a request to stop
+(kind ``STOP``): ``stop_on_sigterm`` writes it into Ray's key-value store under the job's id, and
+``watch`` polls that too. The training loop's ``Agreement`` carries one flag per optimizer step on an all-reduce
 (MAX) that is started after a step and read after the next, so it overlaps a whole step of work and
-every rank reads the same answer at the same step. When it says yes, the loop checkpoints there,
-waits until the checkpoint is committed, and every rank raises ``Preempted``; the kit's failure
-policy restarts the worker group without using up ``failure.max_failures``, and the new group
-resumes from that checkpoint: no completed step is lost.
+every rank reads the same answer at the same step (the highest kind any rank posted). When it
+says yes, the loop checkpoints there, waits until the checkpoint is committed, and every rank
+raises ``Preempted`` (the kit's failure policy restarts the worker group without using up
+``failure.max_failures``, and the new group resumes from that checkpoint: no completed step is
+lost) or, on a stop, ``Stopped`` (the run ends; submitting it again resumes there).
 
 ``failure.preemption_checkpoint: false`` keeps Ray's behaviour: a SIGTERM ends the worker at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
 import time
 
+PREEMPT, STOP = 1, 2  # the kinds of notice, in the order the agreement's MAX ranks them
 NOTICE = threading.Event()
+_KIND = [0]  # the highest kind noticed by this process
 TRAINING = threading.Event()  # set while the training loop runs: only there can a notice be acted on
 _RAYS_HANDLER: list = []  # what SIGTERM did before install(): Ray's exit
 
@@ -29,10 +36,17 @@ class Preempted(RuntimeError):
     """Every rank raises this after the preemption checkpoint is committed: restart the group from it."""
 
 
-def notify(why: str) -> None:
-    if not NOTICE.is_set():
-        NOTICE.set()
-        print(f"ray-app: {why}: checkpointing at the next step boundary, then leaving", file=sys.stderr, flush=True)
+class Stopped(RuntimeError):
+    """Every rank raises this after the checkpoint of a stop request is committed: the run ends there."""
+
+
+def notify(why: str, kind: int = PREEMPT) -> None:
+    first = not NOTICE.is_set()
+    _KIND[0] = max(_KIND[0], kind)
+    NOTICE.set()
+    if first:
+        then = "then stopping" if kind == STOP else "then leaving"
+        print(f"ray-app: {why}: checkpointing at the next step boundary, {then}", file=sys.stderr, flush=True)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -56,23 +70,74 @@ def install() -> None:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     if previous is not _on_sigterm:
         _RAYS_HANDLER[:] = [previous]
-    threading.Thread(target=watch_drain, name="ray-app-drain-watch", daemon=True).start()
+    threading.Thread(target=watch, name="ray-app-notice-watch", daemon=True).start()
 
 
-def watch_drain(interval_s: float = 2.0) -> None:
-    """Poll Ray's draining nodes (GCS) for this worker's node; stop quietly where Ray cannot answer."""
+def stop_key(job_id: str) -> bytes:
+    """Where a driver's stop request for its job's workers lives in Ray's key-value store."""
+    return f"ray_app:stop:{job_id}".encode()
+
+
+def watch(interval_s: float = 2.0) -> None:
+    """Poll Ray (GCS) for a drain notice of this worker's node and for the driver's stop request; stop
+    quietly where Ray cannot answer."""
     try:
         import ray
         from ray._private.state import state
+        from ray.experimental import internal_kv
 
-        node = ray.get_runtime_context().get_node_id()
+        ctx = ray.get_runtime_context()
+        node, key = ctx.get_node_id(), stop_key(ctx.get_job_id())
         while not NOTICE.is_set():
+            if internal_kv._internal_kv_get(key) is not None:
+                notify("the driver was told to stop", STOP)
+                return
             if node in (state.get_draining_nodes() or {}):
                 notify("Ray's drain notice for this node")
                 return
             time.sleep(interval_s)
-    except Exception:  # an internal API of Ray: its absence must never stop training
+    except Exception:  # internal APIs of Ray: their absence must never stop training
         return
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(enabled: bool = True):
+    """Driver side, around the trainer's ``fit``: the first SIGTERM asks the workers (through Ray's
+    key-value store) to checkpoint at the next step boundary and stop; a second one does what SIGTERM
+    did before (the CLI's: interrupt)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import ray
+    from ray.experimental import internal_kv
+
+    key = stop_key(ray.get_runtime_context().get_job_id())
+    asked = []
+
+    def on_sigterm(signum, frame):
+        if asked:
+            signal.signal(signal.SIGTERM, previous)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        asked.append(time.monotonic())
+        try:
+            internal_kv._internal_kv_put(key, b"1", overwrite=True)
+        except Exception as exc:  # Ray is going away: nothing left to ask
+            print(f"ray-app: SIGTERM: could not ask the workers to stop ({exc})", file=sys.stderr, flush=True)
+            signal.signal(signal.SIGTERM, previous)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        print("ray-app: SIGTERM: the workers checkpoint at the next step boundary, then the run stops "
+              "(a second SIGTERM stops it now)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if asked:
+            with contextlib.suppress(Exception):
+                internal_kv._internal_kv_del(key)
 
 
 def worker_callback():
@@ -99,16 +164,17 @@ class Agreement:
         self.flag = torch.zeros(1)
         self.work = None
 
-    def poll(self) -> bool:
+    def poll(self) -> int:
+        """0, or the kind of notice (``PREEMPT``, ``STOP``) every rank agrees to act on now."""
         if not self.enabled:
-            return False
+            return 0
         import torch.distributed as dist
 
-        agreed = False
+        agreed = 0
         if self.work is not None:
             self.work.wait()
-            agreed = bool(self.flag.item() > 0)
-        self.flag.fill_(1.0 if NOTICE.is_set() else 0.0)
+            agreed = int(self.flag.item())
+        self.flag.fill_(float(_KIND[0]) if NOTICE.is_set() else 0.0)
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return agreed
 

@@ -3,26 +3,32 @@
 One cluster (head + 2 workers, moto S3, host Prometheus) serves the tests of
 this module, in order: a 2-worker DDP job across the two worker containers, a
 torchrun-style script under `ray-app run` across them, a submission without the
-token (refused), then a job whose rank-0 worker container is killed
-mid-training and started again.
+token (refused), then jobs with a fault mid-training: rank 0's worker container
+killed and started again; stopped with a grace period (a preemption) and
+started again; the driver stopped (`ray job stop`) and the job submitted again.
+Each faulted job ends on the uninterrupted job's parameters, bit for bit.
 """
 
 from __future__ import annotations
 
+import io
 import re
 import secrets
 import textwrap
 import time
 
 import pytest
+import torch
 from e2e_cluster import LOG_DIR, ContainerCluster, docker, rank_placements, summary_of, wait_until
 
 from tests.integration.ddp_script import TRAIN, lines_of, write_scripts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-EPOCHS = 10           # job 1: ~1 s per epoch; long enough for Prometheus to discover and scrape rank 0 (its SD updates every 5 s)
-KILL_EPOCHS = 12      # job 2: ~1 s per epoch here; long enough to kill a worker after the first checkpoint
+# ~1 s per epoch here: long enough for Prometheus to discover and scrape rank 0 (its SD updates every
+# 5 s) and to put a fault in after the first checkpoint; every job trains as many, so the faulted ones
+# can be compared with the uninterrupted one
+EPOCHS = 12
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +47,41 @@ def run_name(kind: str) -> str:
     return f"e2e-{kind}-{secrets.token_hex(3)}"
 
 
-def test_ddp_job_across_worker_containers(cluster):
-    """`ray job submit` with the token: 2 ranks on 2 containers, checkpoints in S3, metrics in Prometheus."""
+def final_parameters(cluster, summary: dict) -> dict:
+    """model.pt of the summary's (newest) checkpoint, read from the S3 store."""
+    key = summary["checkpoint"].removeprefix("s3://ray-app/") + "/model.pt"
+    body = cluster.s3.client().get_object(Bucket="ray-app", Key=key)["Body"].read()
+    return torch.load(io.BytesIO(body), weights_only=True)
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster):
+    """Job 1: `ray job submit` of the cluster config, no fault. (run, submission id, its result, logs, seconds)."""
     run, sid = run_name("ddp"), run_name("job")
     t0 = time.monotonic()
     out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"], timeout=600)
-    seconds = time.monotonic() - t0
     logs = cluster.job_logs(sid) or out.stdout
     (LOG_DIR / f"job-{run}.log").write_text(logs)
+    return run, sid, out, logs, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, uninterrupted) -> dict:
+    """The uninterrupted job's final parameters."""
+    _, _, out, logs, _ = uninterrupted
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    return final_parameters(cluster, summary_of(logs))
+
+
+def test_ddp_job_across_worker_containers(cluster, uninterrupted):
+    """`ray job submit` with the token: 2 ranks on 2 containers, checkpoints in S3, metrics in Prometheus."""
+    run, sid, out, logs, seconds = uninterrupted
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert cluster.job_status(sid) == "SUCCEEDED"
     print(f"\n[e2e] job 1 ({EPOCHS} epochs) submitted and finished in {seconds:.1f}s")
@@ -118,32 +151,42 @@ def test_submit_without_token_is_refused(cluster):
     assert cluster.job_ids() == before  # no job was created
 
 
-def test_killed_worker_container_resumes_from_newest_checkpoint(cluster):
-    """`docker kill` rank 0's container mid-run, start it again: the job resumes and succeeds."""
-    run, sid = run_name("kill"), run_name("job")
+def start_faulted_job(cluster, kind: str) -> tuple[str, str, float, str]:
+    """Submit a job without waiting; once its first checkpoint is committed, return (run, submission id,
+    start time, the worker container rank 0 runs in: found from the target file rank 0 wrote for
+    Prometheus, no log round trip)."""
+    cluster.wait_for_cpus(cluster.n_workers)  # an earlier test's restarted container is back
+    run, sid = run_name(kind), run_name("job")
     t0 = time.monotonic()
-    out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={KILL_EPOCHS}"],
+    out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"],
                          wait=False, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-
-    # Wait for the first committed checkpoint, then kill the container rank 0 runs
-    # in (found from the target file rank 0 wrote for Prometheus: no log round trip).
     wait_until(lambda: cluster.s3.committed_steps(run), 300, interval=0.2, what="the first committed checkpoint")
     rank0_ip = wait_until(lambda: cluster.rank0_ip(run), 30, interval=0.2, what="rank 0's metrics target file")
     victim = cluster.container_by_ip(rank0_ip)
     assert victim in cluster.workers, rank0_ip
+    return run, sid, t0, victim
+
+
+def logged_steps(logs: str) -> list[int]:
+    return [int(s) for s in re.findall(r"epoch \d+ step (\d+)/", logs)]
+
+
+def test_killed_worker_container_resumes_from_newest_checkpoint(cluster, reference):
+    """`docker kill` rank 0's container mid-run, start it again: the job resumes and succeeds."""
+    run, sid, t0, victim = start_faulted_job(cluster, "kill")
     before_kill = cluster.s3.committed_steps(run)
     docker("kill", victim)
     killed_at = time.monotonic()
     after_kill = cluster.s3.committed_steps(run)
-    assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the kill; raise KILL_EPOCHS"
+    assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the kill; raise EPOCHS"
     time.sleep(2)
     docker("start", victim)  # the same container: same `ray start --address head:6379 --block`
 
     status = cluster.wait_for_job(sid, timeout=480)
     logs = cluster.job_logs(sid)
     (LOG_DIR / f"job-{run}.log").write_text(logs)
-    print(f"\n[e2e] job 2 ({KILL_EPOCHS} epochs, worker killed {killed_at - t0:.1f}s in) "
+    print(f"\n[e2e] job 2 ({EPOCHS} epochs, worker killed {killed_at - t0:.1f}s in) "
           f"finished {status} in {time.monotonic() - t0:.1f}s")
     assert status == "SUCCEEDED", logs[-5000:]
     summary = summary_of(logs)
@@ -155,7 +198,7 @@ def test_killed_worker_container_resumes_from_newest_checkpoint(cluster):
     # one checkpoint interval of training was lost.
     assert resumed >= max(after_kill) >= max(before_kill) > 0, (resumed, before_kill, after_kill)
     assert resumed in committed or resumed < committed[0], (resumed, committed)  # older ones may be pruned (keep=3)
-    assert summary["global_step"] == KILL_EPOCHS * interval and summary["epochs"] == KILL_EPOCHS
+    assert summary["global_step"] == EPOCHS * interval and summary["epochs"] == EPOCHS
     assert re.search(rf"resumed from s3://ray-app/runs/{run}/ckpt-s0*{resumed}-", logs), logs[-5000:]
 
     # Prometheus saw the resumed worker group's rank 0 export the step it resumed from.
@@ -164,3 +207,71 @@ def test_killed_worker_container_resumes_from_newest_checkpoint(cluster):
                       30, what="ray_app_resumed_from_step > 0 in Prometheus")
     assert float(seen[0]["value"][1]) == resumed
 
+    assert_bit_identical(final_parameters(cluster, summary), reference)
+
+
+def test_stopped_worker_container_checkpoints_at_the_sigterm_and_no_step_is_lost(cluster, reference):
+    """`docker stop -t 30` of rank 0's container mid-epoch (a preemption with a grace period): its
+    `ray start` drains the node, every rank checkpoints at the next step boundary, the container exits
+    on its own; started again, the group resumes from that step and ends bit-identical."""
+    run, sid, t0, victim = start_faulted_job(cluster, "stop")
+    before = logged_steps(cluster.job_logs(sid))
+    committed_before = cluster.s3.committed_steps(run)
+    stopped_at = time.monotonic()
+    docker("stop", "-t", "30", victim, timeout=90)
+    stop_seconds = time.monotonic() - stopped_at
+    exit_code = int(docker("inspect", "-f", "{{.State.ExitCode}}", victim).stdout.strip())
+    assert exit_code != 137, "the container was SIGKILLed at the end of its grace period"  # it left by itself
+    assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the stop; raise EPOCHS"
+    docker("start", victim)
+
+    status = cluster.wait_for_job(sid, timeout=480)
+    logs = cluster.job_logs(sid)
+    (LOG_DIR / f"job-{run}.log").write_text(logs)
+    assert status == "SUCCEEDED", logs[-5000:]
+    assert "ray-app: Ray's drain notice for this node: checkpointing at the next step boundary" in logs, logs[-5000:]
+    m = re.search(r"preempted: checkpoint (\S+) at step (\d+) committed", logs)
+    assert m, logs[-5000:]
+    step = int(m.group(2))
+    assert step >= max(before + committed_before), (step, before, committed_before)  # after the last step seen
+    summary = summary_of(logs)
+    assert summary["resumed_from_step"] == step and summary["global_step"] > step
+    resumed = re.search(rf"resumed from s3://ray-app/runs/{run}/ckpt-s0*{step}-\S+ at epoch \d+ batch (\d+)", logs)
+    assert resumed, logs[-5000:]
+    print(f"\n[e2e] docker stop -t 30 of rank 0's container: checkpoint at step {step} (batch "
+          f"{resumed.group(1)} of its epoch), container gone in {stop_seconds:.1f}s (exit {exit_code}); "
+          f"job finished in {time.monotonic() - t0:.1f}s")
+    window = int(time.monotonic() - stopped_at) + 5
+    seen = wait_until(lambda: cluster.prometheus.query(f"max(max_over_time(ray_app_resumed_from_step[{window}s])) > 0"),
+                      30, what="ray_app_resumed_from_step > 0 in Prometheus")  # only this job ran since the stop
+    assert float(seen[0]["value"][1]) == step
+    assert_bit_identical(final_parameters(cluster, summary), reference)
+
+
+def test_stopped_driver_checkpoints_and_a_resubmit_resumes_with_no_step_lost(cluster, reference):
+    """`ray job stop` (SIGTERM to the driver): the workers checkpoint at the next step boundary and the
+    job ends STOPPED; the same job submitted again resumes from that step and ends bit-identical."""
+    run, sid, t0, _ = start_faulted_job(cluster, "driver")
+    before = cluster.s3.committed_steps(run)  # no log round trip first: the job is only ~12 s long
+    stopped_at = time.monotonic()
+    out = cluster.ray("job", "stop", "--address", cluster.address, sid, timeout=120)
+    stop_seconds = time.monotonic() - stopped_at
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert cluster.wait_for_job(sid, timeout=120) == "STOPPED"
+    logs = cluster.job_logs(sid)
+    (LOG_DIR / f"job-{run}-stopped.log").write_text(logs)
+    m = re.search(r"stopped: checkpoint (\S+) at step (\d+) committed", logs)
+    assert m, logs[-5000:]
+    step = int(m.group(2))
+    assert step >= max(before) and step in cluster.s3.committed_steps(run), (step, before)
+
+    again = run_name("job")
+    out = cluster.submit(again, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"], timeout=600)
+    logs = cluster.job_logs(again) or out.stdout
+    (LOG_DIR / f"job-{run}.log").write_text(logs)
+    assert out.returncode == 0, logs[-5000:]
+    summary = summary_of(logs)
+    assert summary["resumed_from_step"] == step, (summary, step)
+    print(f"\n[e2e] ray job stop: checkpoint at step {step}, job STOPPED {stop_seconds:.1f}s after the "
+          f"stop; resubmitted, resumed there; {time.monotonic() - t0:.1f}s in all")
+    assert_bit_identical(final_parameters(cluster, summary), reference)

@@ -179,3 +179,41 @@ def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_ste
     summary = summary_of(run.text)
     assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert_bit_identical(final_model(tmp_path, summary), reference)
+
+
+def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_loses_no_step(reference, tmp_path):
+    """`ray job stop` / `docker stop` of the driver: the workers checkpoint at the next step boundary, the
+    driver exits 143 with one line; the same command again resumes there and ends bit-identical."""
+    args = ["--set", f"run.storage={tmp_path}", "--set", "run.name=stop", *WORKLOAD]
+    run = Run(args)
+    logged = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            logged = [int(m) for m in re.findall(r"epoch \d+ step (\d+)/", run.text)]
+            if logged and logged[-1] >= STEPS_PER_EPOCH + 8:  # mid-way through the second epoch
+                break
+            time.sleep(0.05)
+        assert run.proc.poll() is None, run.text[-3000:]
+        run.proc.send_signal(signal.SIGTERM)  # the driver only, as Ray's job supervisor does
+        signalled_at = time.monotonic()
+        rc = run.wait()
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+    assert rc == 143, run.text[-5000:]
+    m = re.search(r"stopped: checkpoint (\S+) at step (\d+) committed", run.text)
+    assert m, run.text[-5000:]
+    step = int(m.group(2))
+    assert step >= logged[-1] and step < EPOCHS * STEPS_PER_EPOCH, (step, logged)
+    assert step in committed_steps(tmp_path / "stop")
+    assert run.text.count("ray-app: stopped at step") == 1 and "Traceback" not in run.text, run.text[-5000:]
+    print(f"\n[faults] driver SIGTERM -> checkpoint at step {step} committed and the driver exited "
+          f"{run.first(r'ray-app: stopped at step') - signalled_at:.1f}s after the signal")
+
+    again = Run(args)
+    assert again.wait() == 0, again.text[-5000:]
+    assert re.search(rf"resumed from \S+ckpt-s0*{step}-", again.text), again.text[-5000:]
+    summary = summary_of(again.text)
+    assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert_bit_identical(final_model(tmp_path, summary), reference)

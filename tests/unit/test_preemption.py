@@ -30,3 +30,24 @@ def test_sigterm_is_a_notice_only_while_training_and_a_second_one_exits():
         signal.signal(signal.SIGTERM, before)
         preemption.NOTICE.clear()
         preemption.TRAINING.clear()
+
+
+def test_the_agreement_answers_one_step_late_with_the_highest_kind_noticed(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        agreement = preemption.Agreement()
+        assert [agreement.poll(), agreement.poll()] == [0, 0]
+        preemption.notify("a test's preemption")
+        assert agreement.poll() == 0  # posted now, read at the next step: the all-reduce overlaps a step
+        assert agreement.poll() == preemption.PREEMPT
+        preemption.notify("a test's stop", preemption.STOP)  # a stop outranks a preemption: the run ends
+        agreement.poll()
+        assert agreement.poll() == preemption.STOP
+        agreement.close()
+        assert preemption.Agreement(enabled=False).poll() == 0
+    finally:
+        dist.destroy_process_group()
+        preemption.NOTICE.clear()
+        preemption._KIND[0] = 0
