@@ -438,10 +438,11 @@ def _migrated(tree: dict) -> dict:
 # What a checkpoint's state depends on: a run resumes only with these unchanged. Everything
 # else may change on resume (more epochs or max_steps, a new lr, weight decay, momentum or warmup:
 # the LR schedule is re-planned over the new total; clipping, logging, checkpoint cadence, failure and
-# metrics settings, data.path and data.loader_workers, the resources per worker).
+# metrics settings, data.path and data.loader_workers, the resources per worker, and the number of
+# workers: the loop re-shards the rest of an epoch over another world size).
 RESUME_MUST_MATCH = (
     "model.name", "model.args", "data.name", "data.args", "task.name", "task.args", "run.seed",
-    "data.batch_size", "train.grad_accum", "train.optimizer", "scaling.num_workers",
+    "data.batch_size", "train.grad_accum", "train.optimizer",
 )
 
 

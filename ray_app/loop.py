@@ -85,30 +85,60 @@ def seed_everything(seed: int) -> None:
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start part-way into an epoch (mid-epoch resume)."""
+    """DistributedSampler that can start part-way into an epoch, at the world size it stopped at or another.
+
+    An epoch's order is DistributedSampler's: one permutation of the dataset (seeded by ``seed + epoch``,
+    the same at every world size) padded to a multiple of the world size W, rank r reading every W-th
+    sample from r. After b batches of B on every rank, all ranks together have read exactly its first
+    b * B * W samples, so ``set_start(samples_done)`` resumes any world size W' on the rest: it is padded
+    to a multiple of W' (from its own beginning, as DistributedSampler pads) and dealt out the same way.
+    At an unchanged world size that is DistributedSampler's own order from batch b on, sample for sample.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.start_index = 0
+        self.start = 0  # samples of this epoch's order already read, by all ranks together
 
-    def set_start_batch(self, batch: int, batch_size: int) -> None:
-        self.start_index = batch * batch_size
+    def set_start(self, samples_done: int) -> None:
+        self.start = samples_done
+
+    def _rest(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        order = _pad_or_trim(order, self.total_size)  # = DistributedSampler's
+        rest = order[self.start:]
+        return rest[:len(rest) - len(rest) % self.num_replicas] if self.drop_last else \
+            _pad_or_trim(rest, math.ceil(len(rest) / self.num_replicas) * self.num_replicas)
 
     def __iter__(self):
-        indices = list(super().__iter__())
-        return iter(indices[self.start_index:])
+        return iter(self._rest()[self.rank::self.num_replicas])
 
     def __len__(self):
-        return max(self.num_samples - self.start_index, 0)
+        rest = max(self.total_size - self.start, 0)
+        return rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
+
+
+def _pad_or_trim(indices: list[int], size: int) -> list[int]:
+    """``indices`` cut to ``size``, or padded to it by repeating them from the start."""
+    if size <= len(indices) or not indices:
+        return indices[:size]
+    return (indices * math.ceil(size / len(indices)))[:size]
 
 
 @dataclass
 class Position:
-    """Where training is: epoch (0-based), batches done in it, optimizer steps so far."""
+    """Where training is: epoch (0-based), batches done in it (on each rank), optimizer steps so far, and
+    the samples of the epoch's order read so far by all ranks together (what a resume at another world
+    size starts from)."""
 
     epoch: int = 0
     batches_done: int = 0
     global_step: int = 0
+    samples_done: int = 0
 
 
 def param_fingerprint(model: torch.nn.Module) -> torch.Tensor:
@@ -383,11 +413,18 @@ class Trainer:
             self.scheduler.load_state_dict(loaded.scheduler)
         if loaded.scaler:
             self.scaler.load_state_dict(loaded.scaler)
-        apply_hyperparameters(self.cfg, self.optimizer, self.scheduler)
         s = loaded.state
-        self.pos = Position(s["epoch"], s["batches_done"], s["global_step"])
+        saved_world = s.get("world_size", self.world_size)
+        bs = self.cfg.data.batch_size
+        self.pos = Position(s["epoch"], s["batches_done"], s["global_step"],
+                            s.get("samples_done", s["batches_done"] * bs * saved_world))
+        if saved_world != self.world_size:
+            self._reshard(saved_world)
+        apply_hyperparameters(self.cfg, self.optimizer, self.scheduler)
         if loaded.rng is not None:
             restore_rng_state(loaded.rng)
+        else:  # a rank the checkpoint's world did not have: a stream of its own, derived, not the run's first
+            seed_everything(self.cfg.run.seed * 1000 + self.rank + 1_000_003 * self.pos.global_step)
         self.resumed_from_step = self.pos.global_step
         self.resumed_checkpoint_unix = loaded.created
         self.last_eval = s.get("last_eval", {})
@@ -443,7 +480,7 @@ class Trainer:
         cfg, parts, accum = self.cfg, self.parts, self.cfg.train.grad_accum
         self.model.train()
         parts.train_sampler.set_epoch(epoch)  # practice 2: a new order every epoch
-        parts.train_sampler.set_start_batch(self.pos.batches_done, cfg.data.batch_size)
+        parts.train_sampler.set_start(self.pos.samples_done)
         parts.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + epoch)
         self.epoch_loss.zero_(), self.epoch_count.zero_()
         interval = self._new_interval()
@@ -458,6 +495,7 @@ class Trainer:
             interval.count += n
             interval.batches += 1
             self.pos.batches_done += 1
+            self.pos.samples_done += cfg.data.batch_size * self.world_size  # full batches until the epoch's last
             if not last_micro:
                 continue
             self._optimizer_step()
@@ -494,6 +532,20 @@ class Trainer:
             raise Stopped(f"stopped at step {step}; checkpoint {uri}")
         self.print0(f"preempted: checkpoint {uri} at step {step} committed; the worker group restarts from it")
         raise Preempted(f"preempted at step {step}; resume from {uri}")
+
+    def _reshard(self, saved_world: int) -> None:
+        """Resuming at another world size: the rest of the epoch is dealt out over this one (the sampler),
+        and the LR schedule goes to where a run at this world size would be after as many samples. The
+        per-worker batch stays data.batch_size, so the global batch is data.batch_size x the world size;
+        global_step keeps counting the optimizer steps taken."""
+        parts, accum = self.parts, self.cfg.train.grad_accum
+        parts.train_sampler.set_start(self.pos.samples_done)
+        left = math.ceil(len(parts.train_sampler) / self.cfg.data.batch_size)
+        self.pos.batches_done = parts.batches_per_epoch - left
+        self.scheduler.last_epoch = self.pos.epoch * parts.steps_per_epoch + self.pos.batches_done // accum
+        self.print0(f"world size {saved_world} -> {self.world_size}: the rest of epoch {self.pos.epoch} "
+                    f"({self.pos.samples_done} of its samples read) re-sharded, {left} batches per rank left; "
+                    f"global batch {self.cfg.data.batch_size * self.world_size}")
 
     def _forward_backward(self, batch, group_size: int, sync: bool):
         # practice 3: DDP all-reduces gradients during backward; on non-final
@@ -558,7 +610,7 @@ class Trainer:
         shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items() if k.startswith("eval_"))
         self.print0(f"epoch {self.pos.epoch} done: train loss {self.last_train_loss:.4f} {shown}")
         self.pos.epoch += 1
-        self.pos.batches_done = 0
+        self.pos.batches_done = self.pos.samples_done = 0
         if self.ckpt.epoch_due(self.pos.epoch, self.cfg.train.epochs) and not self._done():
             self.checkpoint()
         else:
@@ -622,6 +674,7 @@ class Trainer:
                 model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
                 scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict(), rng_per_rank=rng_all,
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
+                       "samples_done": self.pos.samples_done,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
                        "last_eval": self.last_eval},
                 config=self.cfg.to_dict(), metrics=metrics,

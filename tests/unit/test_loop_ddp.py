@@ -374,17 +374,45 @@ def test_set_epoch_changes_the_order_deterministically():
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 6, 7])
-def test_set_start_batch_yields_the_tail_of_the_epoch(k):
-    batch = 8
-    s = ResumableDistributedSampler(range(103), 2, 1, shuffle=True, seed=3)
+def test_set_start_yields_the_tail_of_distributed_samplers_epoch(k):
+    batch, world = 8, 2
+    s = ResumableDistributedSampler(range(103), world, 1, shuffle=True, seed=3)
     s.set_epoch(4)
     full = list(s)
-    s.set_start_batch(k, batch)
+    torchs = DistributedSampler(range(103), world, 1, shuffle=True, seed=3)
+    torchs.set_epoch(4)
+    assert full == list(torchs)  # at the start: torch's own order, padding included
+    s.set_start(k * batch * world)  # k batches read on every rank
     tail = list(s)
     assert tail == full[k * batch:]
     assert len(s) == len(tail)
     loader_batches = list(DataLoader(list(range(103)), batch_size=batch, sampler=s))
     assert [x.tolist() for x in loader_batches] == [full[i:i + batch] for i in range(k * batch, len(full), batch)]
+
+
+@pytest.mark.parametrize(("n", "old", "new", "k"), [(103, 2, 3, 4), (103, 3, 2, 2), (96, 4, 1, 5), (50, 1, 4, 3)])
+def test_a_resume_at_another_world_size_reads_the_rest_of_the_epoch_once(n, old, new, k):
+    """k batches of 4 read on each of ``old`` ranks, then the epoch goes on over ``new``: every sample not
+    yet read is read once, and what is read twice is no more than padding (as DistributedSampler pads:
+    fewer than ``new`` samples at the epoch's end, and fewer than ``new`` again for the re-dealt rest)."""
+    batch = 4
+    before = [ResumableDistributedSampler(range(n), old, r, shuffle=True, seed=7) for r in range(old)]
+    for sampler in before:
+        sampler.set_epoch(2)
+    read = [i for sampler in before for i in list(sampler)[:k * batch]]
+    after = [ResumableDistributedSampler(range(n), new, r, shuffle=True, seed=7) for r in range(new)]
+    rest = []
+    for sampler in after:
+        sampler.set_epoch(2)
+        sampler.set_start(k * batch * old)
+        rest.append(list(sampler))
+        assert len(sampler) == len(rest[-1])
+    assert len({len(r) for r in rest}) == 1  # every rank the same number of batches: collectives stay matched
+    flat = [i for r in rest for i in r]
+    assert len(set(read)) == len(read) and set(read) | set(flat) == set(range(n))
+    assert set(range(n)) - set(read) <= set(flat)  # nothing left out
+    padding = len(flat) - (n - len(read))
+    assert 0 <= padding < 2 * new, padding  # nothing else read twice
 
 
 def test_lr_warmup_then_cosine():
