@@ -40,6 +40,13 @@ test: venv ## Run every test tier (unit, integration, e2e; e2e needs Docker)
 test-unit: venv ## Fast pure tests only
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
+N ?= 20
+SEED ?=
+
+.PHONY: chaos
+chaos: venv ## One run on local Ray, N random SIGKILL/SIGTERM/SIGSTOP faults, ends bit-identical -> build/chaos.json (N=20 SEED=)
+	$(PY) -m tests.integration.chaos --faults $(N) $(if $(SEED),--seed $(SEED)) --out build/chaos.json
+
 .PHONY: lint
 lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the unit tests
 	$(VENV)/bin/ruff check ray_app bench tests

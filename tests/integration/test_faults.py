@@ -5,91 +5,29 @@
   not count against ``failure.max_failures`` (0 here);
 - a rank SIGSTOPped mid-epoch: the others' collectives give up after ``failure.hang_timeout_s``, Ray
   Train restarts the group from the newest checkpoint, the stopped process is killed;
+- a SIGTERM to the driver: the workers checkpoint at the next step boundary and the run stops (143);
+  the same command again resumes there;
 
 each run ends on the uninterrupted run's parameters, bit for bit.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
-from tests.helpers import train_workers
+from tests.integration.faultlib import STEPS_PER_EPOCH, Run, assert_bit_identical, committed_steps, final_model, summary_of, workload
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
-STEPS_PER_EPOCH = 32  # 1024 samples / 2 workers / batch 16
 EPOCHS = 3
 HANG_TIMEOUT_S = 15
-WORKLOAD = [
-    "--set", "data.name=synthetic", "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
-    "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", f"train.epochs={EPOCHS}",
-    "--set", "train.log_every_steps=8", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
-]
-
-
-def env() -> dict:
-    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return e
-
-
-class Run:
-    """``ray-app train`` in its own session; every output line kept with its arrival time."""
-
-    def __init__(self, args: list[str]):
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "ray_app", "train", *args], cwd=REPO, env=env(),
-                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def wait(self, timeout: float = 600) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self._reader.join(timeout=10)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-    def first(self, pattern: str) -> float | None:
-        return next((t for t, line in self.lines if re.search(pattern, line)), None)
-
-    def workers(self) -> list[psutil.Process]:
-        return train_workers(self.proc.pid)
-
-
-def final_model(storage: Path, summary: dict) -> dict:
-    return torch.load(Path(summary["checkpoint"]) / "model.pt", weights_only=True)
-
-
-def committed_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.parent.name[len("ckpt-s"):][:9]) for p in run_dir.glob("ckpt-s*/manifest.json"))
-
-
-def summary_of(text: str) -> dict:
-    return json.loads(text.strip().splitlines()[-1])
+WORKLOAD = workload(EPOCHS)
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +38,7 @@ def reference(tmp_path_factory) -> dict:
     assert run.wait() == 0, run.text[-4000:]
     summary = summary_of(run.text)
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    return final_model(storage, summary)
-
-
-def assert_bit_identical(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+    return final_model(summary)
 
 
 def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit_identical(reference, tmp_path):
@@ -143,7 +75,7 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
     summary = summary_of(run.text)
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert summary["resumed_from_step"] >= max(before) > STEPS_PER_EPOCH, (summary, before)
-    assert_bit_identical(final_model(tmp_path, summary), reference)
+    assert_bit_identical(final_model(summary), reference)
 
 
 def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_step_is_lost(reference, tmp_path):
@@ -178,7 +110,7 @@ def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_ste
           f"the restarted group resumed from it {resumed_at - signalled_at:.1f}s after the signal")
     summary = summary_of(run.text)
     assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    assert_bit_identical(final_model(tmp_path, summary), reference)
+    assert_bit_identical(final_model(summary), reference)
 
 
 def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_loses_no_step(reference, tmp_path):
@@ -216,4 +148,4 @@ def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_lo
     assert re.search(rf"resumed from \S+ckpt-s0*{step}-", again.text), again.text[-5000:]
     summary = summary_of(again.text)
     assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    assert_bit_identical(final_model(tmp_path, summary), reference)
+    assert_bit_identical(final_model(summary), reference)

@@ -1,0 +1,102 @@
+"""What the fault tests share: the small workload, a ``ray-app train`` run watched line by line, and the
+checks on its outcome (``tests.integration.test_faults``, ``test_chaos`` and the chaos driver ``chaos``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from tests.helpers import train_workers
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS_PER_EPOCH = 32  # 1024 samples / 2 workers / batch 16
+
+
+def workload(epochs: int, log_every_steps: int = 8) -> list[str]:
+    """``--set`` arguments of the small synthetic run every fault test trains (2 CPU workers, gloo)."""
+    return [
+        "--set", "data.name=synthetic", "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
+        "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", f"train.epochs={epochs}",
+        "--set", f"train.log_every_steps={log_every_steps}", "--set", "metrics.enabled=false",
+        "--set", "checkpoint.keep=50",
+    ]
+
+
+def env() -> dict:
+    """This process's environment without RAY_ADDRESS: each run starts its own local Ray."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+class Run:
+    """``ray-app train`` in its own session; every output line kept with its arrival time."""
+
+    def __init__(self, args: list[str]):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "ray_app", "train", *args], cwd=REPO, env=env(),
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout: float = 600) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Kill the whole session (driver, local Ray, workers) if the driver still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._reader.join(timeout=10)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def first(self, pattern: str) -> float | None:
+        return next((t for t, line in self.lines if re.search(pattern, line)), None)
+
+    def workers(self) -> list[psutil.Process]:
+        return train_workers(self.proc.pid)
+
+
+def final_model(summary: dict) -> dict:
+    """The parameters in the checkpoint the run ended on."""
+    return torch.load(Path(summary["checkpoint"]) / "model.pt", weights_only=True)
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name[len("ckpt-s"):][:9]) for p in run_dir.glob("ckpt-s*/manifest.json"))
+
+
+def summary_of(text: str) -> dict:
+    """The JSON summary ``ray-app train`` prints last."""
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def differing_parameters(a: dict, b: dict) -> list[str]:
+    """The keys whose tensors are not bit-identical (or present in one state dict only)."""
+    return sorted(set(a) ^ set(b)) + [k for k in a if k in b and not torch.equal(a[k], b[k])]
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    differ = differing_parameters(a, b)
+    assert not differ, f"parameters differ: {differ}"
