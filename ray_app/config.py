@@ -111,6 +111,11 @@ class ScalingSection:
     """Training workers and the resources each one reserves."""
 
     num_workers: int = _f(2, "Training workers (one per GPU, or CPU slot).", min=1)
+    min_workers: int = _f(0, "Elastic: the fewest workers training goes on with when workers are lost for good "
+                          "(nodes that do not come back); it grows back to num_workers when they return. "
+                          "0: num_workers, a fixed size.", min=0)
+    resize_interval_s: float = _f(60.0, "Elastic: how often a running worker group below num_workers looks for "
+                                  "room to grow; a grow restarts it from the newest checkpoint.", min=1.0)
     use_gpu: bool = _f(False, "Train on GPUs with NCCL (else CPU with Gloo).")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker.", min=0.0)
     gpus_per_worker: float = _f(1.0, "GPUs reserved per worker when use_gpu is true.", min=0.0)
@@ -303,6 +308,9 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(f"config key run.storage: {storage!r} is not supported; use a local folder or s3://bucket/prefix")
     if cfg.data.name in ("cifar10", "imagefolder") and not cfg.data.path:
         raise ConfigError(f"config key data.path: data.name={cfg.data.name} needs data.path set to the data folder")
+    if cfg.scaling.min_workers > cfg.scaling.num_workers:
+        raise ConfigError(f"config key scaling.min_workers={cfg.scaling.min_workers} must not exceed "
+                          f"scaling.num_workers={cfg.scaling.num_workers}; lower it (0 = a fixed size)")
     if cfg.scaling.use_gpu and cfg.scaling.gpus_per_worker <= 0:
         raise ConfigError("config key scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
     f = cfg.failure

@@ -268,16 +268,21 @@ def hang_env(hang_timeout_s: float) -> dict[str, str]:
             "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}
 
 
+def min_workers(cfg: Config) -> int:
+    """The fewest workers the run trains with: scaling.min_workers when elastic, else num_workers."""
+    return cfg.scaling.min_workers or cfg.scaling.num_workers
+
+
 def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
     s = cfg.scaling
-    need_cpu = s.num_workers * s.cpus_per_worker
+    need_cpu = min_workers(cfg) * s.cpus_per_worker
     have_cpu = resources.get("CPU", 0)
     where = "the Ray cluster" if remote else "this machine"
     if need_cpu > have_cpu and not s.use_gpu:
         raise UserError(f"config key scaling.num_workers={s.num_workers} x scaling.cpus_per_worker={s.cpus_per_worker} "
                         f"needs {need_cpu:g} CPUs but {where} has {have_cpu:g}; lower them or add nodes")
     if s.use_gpu:
-        need_gpu, have_gpu = s.num_workers * s.gpus_per_worker, resources.get("GPU", 0)
+        need_gpu, have_gpu = min_workers(cfg) * s.gpus_per_worker, resources.get("GPU", 0)
         if need_gpu > have_gpu:
             raise UserError(f"config key scaling.use_gpu=true needs {need_gpu:g} GPUs but {where} has {have_gpu:g}; "
                             "lower scaling.num_workers or add GPU nodes")
@@ -331,8 +336,11 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
     return lean_trainer_class()(
         functools.partial(worker_main, results=results),
         train_loop_config=job,
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker=resources),
+        # elastic (scaling.min_workers): Ray Train starts with what the cluster has room for, restarts a
+        # group that lost workers with fewer, and grows it back; the loop re-shards at each new world size
+        scaling_config=ScalingConfig(num_workers=_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s),
         # every collective (gloo and nccl alike) gives up after failure.hang_timeout_s: a stopped or
         # deadlocked rank holds the others that long, not torch's 30 minutes
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
@@ -348,6 +356,11 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
             logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),
         ),
     )
+
+
+def _num_workers(cfg: Config):
+    low, high = min_workers(cfg), cfg.scaling.num_workers
+    return (low, high) if low < high else high
 
 
 def validate_before_ray(cfg: Config) -> None:
@@ -493,7 +506,7 @@ def run_training(cfg: Config) -> dict:
         "train_seconds": m.get("train_seconds"),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "resumed_from_step": m.get("resumed_from_step", 0),
-        "world_size": cfg.scaling.num_workers,
+        "world_size": m.get("world_size", cfg.scaling.num_workers),  # the last worker group's (elastic: may be fewer)
         "steady_samples_per_second": m.get("steady_samples_per_second"),
         # this worker group's checkpoints and the time training waited for them
         "checkpoints_written": m.get("checkpoints_written"),

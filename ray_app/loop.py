@@ -687,7 +687,8 @@ class Trainer:
             self.metrics.on_checkpoint(blocked_seconds=blocked)
 
     def _final_metrics(self) -> dict:
-        return {**self._metrics_dict(), "epochs": self.pos.epoch, "train_seconds": self.stats.train_seconds(),
+        return {**self._metrics_dict(), "epochs": self.pos.epoch, "world_size": self.world_size,
+                "train_seconds": self.stats.train_seconds(),
                 "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
 
     def _final_checkpoint(self, summary: dict) -> None:

@@ -289,6 +289,7 @@ class ContainerCluster:
         self.n_workers = workers or self.worker_spec.replicas
         self.head = f"{self.tag}-head"
         self.workers = [f"{self.tag}-worker-{i + 1}" for i in range(self.n_workers)]
+        self.removed: list[str] = []
         self.s3 = self.prometheus = None
         self.dashboard_port = None
         LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -325,6 +326,21 @@ class ContainerCluster:
         for service in (self.prometheus, self.s3):
             if service is not None:
                 service.stop()
+
+    def add_worker(self) -> str:
+        """One more worker container, as the compose file's (a node joining)."""
+        name = f"{self.tag}-worker-{len(self.workers) + len(self.removed) + 1}"
+        self.workers.append(name)
+        self._run_node(name, self.worker_spec, hostname=name.split(self.tag + "-")[1])
+        return name
+
+    def remove_worker(self, name: str) -> None:
+        """The container gone for good (``docker rm -f``: a node that does not come back); its log kept."""
+        out = docker("logs", name, check=False, timeout=60)
+        (LOG_DIR / f"{self.log_prefix}{name.split(self.tag + '-')[1]}.log").write_text(out.stdout + out.stderr)
+        docker("rm", "-f", "-v", name, timeout=120)
+        self.workers.remove(name)
+        self.removed.append(name)
 
     def _env(self) -> dict[str, str]:
         return {"RAY_AUTH_TOKEN": self.creds.ray_token, "MINIO_ROOT_USER": self.creds.s3_access_key,

@@ -123,7 +123,9 @@ def test_worker_group_fits_the_configs_scaling(rel, tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config_of(rel)))
     scaling = load_config(tmp_path / "c.yaml").scaling
     group = rayjob(rel)["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
-    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == scaling.num_workers
+    # elastic (scaling.min_workers) runs on as few pods as min_workers and grows back to num_workers
+    assert group["replicas"] == group["maxReplicas"] == scaling.num_workers
+    assert group["minReplicas"] == (scaling.min_workers or scaling.num_workers)
     container = group["template"]["spec"]["containers"][0]
     assert float(group["rayStartParams"]["num-cpus"]) >= scaling.cpus_per_worker
     gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))

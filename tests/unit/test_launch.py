@@ -69,6 +69,23 @@ def test_one_trainer_for_train_and_eval_carries_the_job(tmp_path):
     assert sc.num_workers == 3 and not sc.use_gpu and sc.resources_per_worker == {"CPU": 0.5}
 
 
+def test_min_workers_makes_the_worker_group_elastic(tmp_path):
+    fixed = _trainer(load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3"])).scaling_config
+    assert fixed.num_workers == 3 and not fixed.elasticity_enabled
+    cfg = load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3", "scaling.min_workers=2",
+                             "scaling.resize_interval_s=5"])
+    elastic = _trainer(cfg).scaling_config
+    assert elastic.elasticity_enabled and (elastic.min_workers, elastic.max_workers) == (2, 3)
+    assert elastic.elastic_resize_monitor_interval_s == 5
+    launch._check_capacity(cfg, {"CPU": 2}, remote=True)  # room for min_workers is enough to start
+    with pytest.raises(UserError, match="scaling.num_workers"):
+        launch._check_capacity(cfg, {"CPU": 1}, remote=True)
+    same = load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3", "scaling.min_workers=3"])
+    assert not _trainer(same).scaling_config.elasticity_enabled
+    with pytest.raises(ConfigError, match="scaling.min_workers=4 must not exceed scaling.num_workers=3"):
+        load_config(None, ["scaling.num_workers=3", "scaling.min_workers=4"])
+
+
 def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
     """The lean trainer hands Ray's controller a KitFailurePolicy built from the run's FailureConfig."""
     from ray_app.failure_policy import KitFailurePolicy
