@@ -251,10 +251,41 @@ def init_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
+        # what the kit binds itself stays on this machine; the workers of the Ray started here inherit it
+        os.environ.update(local_bind_env(os.environ))
         # the dashboard (on 127.0.0.1 only) serves the State API Ray Train's controller polls
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
                  logging_level=logging.WARNING)
     _check_capacity(cfg, ray.cluster_resources(), bool(address))
+
+
+def local_bind_env(environ) -> dict[str, str]:
+    """A local run listens on loopback where the kit chooses: rank 0's exporter binds 127.0.0.1
+    (``ray_app.metrics.BIND_ENV``) and gloo binds the loopback interface (``GLOO_SOCKET_IFNAME``; by default
+    gloo binds the address the host name resolves to, often the machine's address on its network).
+    A value the user set is kept. Set before ``ray.init``: the raylet and the workers it starts inherit
+    the driver's environment. Ray's own servers are Ray's choice (README, "What a local run listens on")."""
+    from ray_app.metrics import BIND_ENV
+
+    env = {}
+    if not environ.get("GLOO_SOCKET_IFNAME", "").strip():
+        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    if not environ.get(BIND_ENV, "").strip():
+        env[BIND_ENV] = "127.0.0.1"
+    return env
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1: ``lo`` on Linux, ``lo0`` on macOS."""
+    try:
+        import psutil  # a Ray dependency
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == "127.0.0.1" for a in addrs):
+                return name
+    except Exception:
+        pass
+    return "lo"
 
 
 def hang_env(hang_timeout_s: float) -> dict[str, str]:

@@ -67,15 +67,28 @@ LEGACY_EVAL_GAUGES = {"loss": "ray_app_eval_loss", "accuracy": "ray_app_eval_acc
 # Discovery for the cluster of containers (docs/metrics.md): when this is set,
 # rank 0 announces its endpoint in a Prometheus file_sd file in that folder.
 SD_DIR_ENV = "RAY_APP_METRICS_SD_DIR"
-# The host Prometheus should scrape (default: this host's IP address).
+# The host Prometheus should scrape (default: the bound address, or this host's IP address).
 ADVERTISE_HOST_ENV = "RAY_APP_METRICS_HOST"
+# The address the exporter binds: all interfaces unless set. A local run (the kit starts Ray itself)
+# sets 127.0.0.1 before Ray starts, and its workers inherit it (ray_app.launch.local_bind_env);
+# on a cluster it is read from the worker's own environment (the container's, the pod's).
+BIND_ENV = "RAY_APP_METRICS_BIND"
+ALL_INTERFACES = ("", "0.0.0.0", "::")
 
 
-def advertised_host() -> str:
-    """$RAY_APP_METRICS_HOST, else the IP this host name resolves to (a container's own IP)."""
+def bind_address() -> str:
+    """$RAY_APP_METRICS_BIND, else 0.0.0.0: Prometheus on another host scrapes rank 0."""
+    return os.environ.get(BIND_ENV, "").strip() or "0.0.0.0"
+
+
+def advertised_host(bind: str = "0.0.0.0") -> str:
+    """$RAY_APP_METRICS_HOST, else the address bound when it is one address (127.0.0.1 on a local run),
+    else the IP this host name resolves to (a container's own IP)."""
     host = os.environ.get(ADVERTISE_HOST_ENV, "").strip()
     if host:
         return host
+    if bind not in ALL_INTERFACES:
+        return bind
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -174,12 +187,12 @@ def _costed_registry(cost: ExporterCost):
 
 
 class PrometheusMetrics(NullMetrics):
-    """prometheus-client exporter served by rank 0 on ``port``."""
+    """prometheus-client exporter served by rank 0 on ``port``, bound to ``bind`` (default: ``bind_address()``)."""
 
-    def __init__(self, port: int, bind: str = "0.0.0.0"):
+    def __init__(self, port: int, bind: str | None = None):
         from prometheus_client import Counter, Gauge, Histogram
 
-        self.port, self.bind = port, bind
+        self.port, self.bind = port, bind or bind_address()
         self.cost = ExporterCost()
         self.registry = reg = _costed_registry(self.cost)
         self._server = self._thread = self._sd_target = None
@@ -240,7 +253,7 @@ class PrometheusMetrics(NullMetrics):
             try:
                 self._server, self._thread = start_http_server(self.port, addr=self.bind, registry=self.registry)
                 self.serving_port = self.port
-                log.info("metrics served on %s:%d/metrics", socket.gethostname(), self.port)
+                log.info("metrics served on %s:%d/metrics (bound to %s)", socket.gethostname(), self.port, self.bind)
                 return
             except OSError as exc:
                 if i == attempts - 1:
@@ -253,7 +266,9 @@ class PrometheusMetrics(NullMetrics):
         directory = os.environ.get(SD_DIR_ENV, "").strip()
         if not directory or self.serving_port is None:
             return
-        target = FileSDTarget(directory, run, f"{advertised_host()}:{self.serving_port}")
+        host = advertised_host(self.bind)
+        address = f"[{host}]:{self.serving_port}" if ":" in host else f"{host}:{self.serving_port}"  # IPv6: [::1]:9500
+        target = FileSDTarget(directory, run, address)
         try:
             target.write()
             self._sd_target = target

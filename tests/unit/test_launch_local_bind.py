@@ -1,0 +1,96 @@
+"""Where the kit's own sockets listen: loopback on a local run (the kit starts Ray), every interface on
+a cluster (Prometheus scrapes rank 0 from another host). The real sockets of a local run are listed
+in tests/integration/test_local_sockets.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import psutil
+import pytest
+
+from ray_app import launch
+from ray_app.config import Config
+from ray_app.metrics import ADVERTISE_HOST_ENV, BIND_ENV, PrometheusMetrics, advertised_host
+
+
+class FakeRay:
+    """What init_ray calls on ``ray``; records the environment the local Ray would start with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append((kwargs, dict(os.environ)))
+
+    def cluster_resources(self):
+        return {"CPU": 64}
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """A fake ``ray``; the environment init_ray changes is put back afterwards."""
+    saved = dict(os.environ)
+    monkeypatch.setitem(sys.modules, "ray", FakeRay())
+    for key in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME", BIND_ENV):
+        os.environ.pop(key, None)
+    yield sys.modules["ray"]
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_local_run_binds_the_exporter_and_gloo_to_loopback():
+    env = launch.local_bind_env({})
+    assert env == {"GLOO_SOCKET_IFNAME": launch.loopback_interface(), BIND_ENV: "127.0.0.1"}
+    addresses = psutil.net_if_addrs()[env["GLOO_SOCKET_IFNAME"]]
+    assert "127.0.0.1" in {a.address for a in addresses}  # `lo` on Linux
+
+
+def test_a_users_own_interface_and_bind_address_are_kept():
+    assert launch.local_bind_env({"GLOO_SOCKET_IFNAME": "eth1", BIND_ENV: "0.0.0.0"}) == {}
+
+
+def test_the_local_ray_starts_with_the_loopback_environment(fake_ray):
+    launch.init_ray(Config())
+    (kwargs, env), = fake_ray.calls
+    assert kwargs["address"] == "local" and kwargs["dashboard_host"] == "127.0.0.1"
+    assert env["GLOO_SOCKET_IFNAME"] == launch.loopback_interface() and env[BIND_ENV] == "127.0.0.1"
+
+
+def test_a_cluster_run_leaves_the_workers_binding_to_the_cluster(fake_ray, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "ray-head:6379")
+    launch.init_ray(Config())
+    (kwargs, env), = fake_ray.calls
+    assert kwargs == {"address": "ray-head:6379", "logging_level": kwargs["logging_level"]}
+    assert "GLOO_SOCKET_IFNAME" not in env and BIND_ENV not in env
+
+
+def test_the_exporter_binds_all_interfaces_unless_told(monkeypatch):
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    assert PrometheusMetrics(port=9500).bind == "0.0.0.0"  # Prometheus scrapes rank 0 from another host
+    monkeypatch.setenv(BIND_ENV, "127.0.0.1")
+    assert PrometheusMetrics(port=9500).bind == "127.0.0.1"
+    assert PrometheusMetrics(port=9500, bind="10.1.2.3").bind == "10.1.2.3"
+
+
+def test_the_exporter_serves_on_the_address_it_was_told(monkeypatch):
+    monkeypatch.setenv(BIND_ENV, "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = PrometheusMetrics(port=port)
+    m._serve(attempts=1)
+    try:
+        assert m._server.server_address[:2] == ("127.0.0.1", port)
+    finally:
+        m.close()
+
+
+def test_the_announced_target_is_the_bound_address_unless_set(monkeypatch):
+    monkeypatch.delenv(ADVERTISE_HOST_ENV, raising=False)
+    assert advertised_host("127.0.0.1") == "127.0.0.1"  # a local Prometheus can reach what was bound
+    assert advertised_host("0.0.0.0") == socket.gethostbyname(socket.gethostname())  # a container's own IP
+    monkeypatch.setenv(ADVERTISE_HOST_ENV, "10.0.0.7")
+    assert advertised_host("127.0.0.1") == "10.0.0.7"
