@@ -6,7 +6,8 @@ torchrun-style script under `ray-app run` across them, a submission without the
 token (refused), then jobs with a fault mid-training: rank 0's worker container
 killed and started again; stopped with a grace period (a preemption) and
 started again; the driver stopped (`ray job stop`) and the job submitted again.
-Each faulted job ends on the uninterrupted job's parameters, bit for bit.
+Each of these ends on the uninterrupted job's parameters, bit for bit. Last, with a third worker
+container, an elastic job (`scaling.min_workers: 2`) loses a container for good and gains a new one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # 5 s) and to put a fault in after the first checkpoint; every job trains as many, so the faulted ones
 # can be compared with the uninterrupted one
 EPOCHS = 12
+ELASTIC_EPOCHS = 40      # the elastic job: long enough for a loss, a restart at 2, a join and a restart at 3
+ELASTIC_RESIZE_S = 5
+ELASTIC_ACCURACY = 0.9   # digits, 40 epochs: an uninterrupted run ends near 0.97
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +279,47 @@ def test_stopped_driver_checkpoints_and_a_resubmit_resumes_with_no_step_lost(clu
     print(f"\n[e2e] ray job stop: checkpoint at step {step}, job STOPPED {stop_seconds:.1f}s after the "
           f"stop; resubmitted, resumed there; {time.monotonic() - t0:.1f}s in all")
     assert_bit_identical(final_parameters(cluster, summary), reference)
+
+
+def test_a_lost_worker_shrinks_the_world_to_min_workers_and_a_new_one_grows_it_back(cluster):
+    """3 worker containers, `scaling.min_workers: 2`: one removed for good mid-run, Ray Train restarts
+    the group with the 2 left without anyone acting (the loop re-shards the rest of the epoch); a new
+    container joins and within `scaling.resize_interval_s` the group grows back to 3. The job succeeds
+    above ELASTIC_ACCURACY."""
+    if len(cluster.workers) < 3:
+        cluster.add_worker()
+    cluster.wait_for_cpus(3)
+    run, sid = run_name("elastic"), run_name("job")
+    args = ["--set", f"run.name={run}", "--set", f"train.epochs={ELASTIC_EPOCHS}", "--set", "scaling.num_workers=3",
+            "--set", "scaling.min_workers=2", "--set", f"scaling.resize_interval_s={ELASTIC_RESIZE_S}"]
+    t0 = time.monotonic()
+    out = cluster.submit(sid, args, wait=False, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_until(lambda: cluster.s3.committed_steps(run), 300, interval=0.5, what="the first committed checkpoint")
+
+    lost = cluster.workers[-1]
+    cluster.remove_worker(lost)
+    lost_at = time.monotonic()
+    shrunk = wait_until(lambda: re.search(r"world size 3 -> 2: .*", cluster.job_logs(sid)), 240, interval=2,
+                        what="the group restarted with 2 workers")
+    shrunk_at = time.monotonic()
+    assert cluster.job_status(sid) == "RUNNING", "the job ended before a worker joined; raise EPOCHS"
+
+    joined = cluster.add_worker()
+    joined_at = time.monotonic()
+    wait_until(lambda: re.search(r"world size 2 -> 3: ", cluster.job_logs(sid)), 240, interval=2,
+               what="the group grown back to 3 workers")
+    grown_at = time.monotonic()
+
+    status = cluster.wait_for_job(sid, timeout=600)
+    logs = cluster.job_logs(sid)
+    (LOG_DIR / f"job-{run}.log").write_text(logs)
+    assert status == "SUCCEEDED", logs[-5000:]
+    summary = summary_of(logs)
+    print(f"\n[e2e] elastic: {lost} removed {lost_at - t0:.1f}s in; training again at 2 workers "
+          f"{shrunk_at - lost_at:.1f}s later ({shrunk.group(0)[:90]}); {joined} joined, the group at 3 "
+          f"{grown_at - joined_at:.1f}s later (resize interval {ELASTIC_RESIZE_S}s); "
+          f"eval_accuracy {summary['eval_accuracy']:.4f}; {time.monotonic() - t0:.1f}s in all")
+    assert summary["world_size"] == 3 and summary["epochs"] == ELASTIC_EPOCHS
+    assert summary["num_eval_samples"] == 359  # every eval sample once, at each world size
+    assert summary["eval_accuracy"] >= ELASTIC_ACCURACY, summary
