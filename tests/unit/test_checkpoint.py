@@ -227,8 +227,10 @@ def test_rng_round_trip_reproduces_draws(storage, tmp_path):
 def test_every_file_loads_with_weights_only(storage):
     rel = commit(storage, 5)
     d = storage.root / rel
-    for f in sorted(d.rglob("*.pt")):
-        torch.load(f, weights_only=True)  # raises if anything but tensors and plain containers
+    written = sorted(f.relative_to(d).as_posix() for f in d.rglob("*.pt"))
+    assert written == ["model.pt", "optimizer.pt", "rng/rank_0.pt", "rng/rank_1.pt", "scaler.pt", "scheduler.pt"]
+    for name in written:
+        torch.load(d / name, weights_only=True)  # raises if anything but tensors and plain containers
 
 
 class Payload:
