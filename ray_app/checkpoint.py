@@ -2,10 +2,13 @@
 
 Layout of one checkpoint, ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``::
 
-    model.pt  optimizer.pt  scheduler.pt  scaler.pt   (torch.save of plain state dicts)
-    rng/rank_{r}.pt                                    (each rank's torch/numpy/python RNG)
-    state.json  config.json  metrics.json              (position in training, the config, metrics)
-    manifest.json                                      (sha256 + size of every file above; uploaded last)
+    model.pt  optimizer.pt  scheduler.pt          (torch.save of plain state dicts)
+    rng/rank_{r}.pt                               (each rank's torch/numpy/python RNG)
+    state.json  config.json  metrics.json         (position in training, the config, metrics)
+    manifest.json                                 (sha256 + size of every file above; uploaded last)
+
+Older checkpoints also hold ``scaler.pt`` (the state of a GradScaler that was never enabled: bf16
+autocast needs no loss scaling); it is verified with the rest and not loaded.
 
 A checkpoint whose manifest is missing or does not match is never loaded.
 Loading uses ``torch.load(..., weights_only=True)`` only.
@@ -102,7 +105,6 @@ class CheckpointPayload:
     model: dict
     optimizer: dict
     scheduler: dict
-    scaler: dict
     rng_per_rank: list[dict]
     state: dict  # state.json: epoch, batches_done (in the epoch), global_step, world_size, last_eval (the newest
     #              eval metrics: a resumed run's summary and checkpoints carry them until it evaluates again)
@@ -114,7 +116,7 @@ def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
     """Write every file, then the manifest (last). Returns the manifest."""
     path.mkdir(parents=True, exist_ok=True)
     for name, obj in (("model.pt", payload.model), ("optimizer.pt", payload.optimizer),
-                      ("scheduler.pt", payload.scheduler), ("scaler.pt", payload.scaler)):
+                      ("scheduler.pt", payload.scheduler)):
         torch.save(obj, path / name)
     (path / "rng").mkdir(exist_ok=True)
     for rank, rng in enumerate(payload.rng_per_rank):
@@ -161,8 +163,8 @@ class Snapshot:
         self._model = {k: v if k in param_keys else _cpu_copy(v) for k, v in payload.model.items()}
         self._param_keys = param_keys
         self._optimizer = payload.optimizer
-        self._small = _cpu_copy({"scheduler": payload.scheduler, "scaler": payload.scaler, "rng": payload.rng_per_rank,
-                                 "state": payload.state, "config": payload.config, "metrics": payload.metrics})
+        self._small = _cpu_copy({"scheduler": payload.scheduler, "rng": payload.rng_per_rank, "state": payload.state,
+                                 "config": payload.config, "metrics": payload.metrics})
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._copy_rest, name="ray-app-ckpt-snapshot", daemon=True)
         self._thread.start()
@@ -186,8 +188,7 @@ class Snapshot:
         self.wait()
         s = self._small
         return CheckpointPayload(model=self._model, optimizer=self._optimizer, scheduler=s["scheduler"],
-                                 scaler=s["scaler"], rng_per_rank=s["rng"], state=s["state"], config=s["config"],
-                                 metrics=s["metrics"])
+                                 rng_per_rank=s["rng"], state=s["state"], config=s["config"], metrics=s["metrics"])
 
 
 def upload_checkpoint_dir(local: Path, storage, rel: str) -> None:
@@ -286,7 +287,6 @@ class LoadedCheckpoint:
     model: dict
     optimizer: dict
     scheduler: dict
-    scaler: dict
     rng: dict | None
     state: dict
     config: dict
@@ -327,14 +327,13 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
     state = json.loads(read("state.json"))
     config = json.loads(read("config.json"))
     if model_only:
-        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, {}, None, state, config,
+        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, None, state, config,
                                 v.manifest.get("created", 0.0))
     rng_name = f"rng/rank_{rank}.pt"
     rng = load(rng_name) if rank is not None and rng_name in files else None
     return LoadedCheckpoint(
         storage.uri(rel), model, load("optimizer.pt"),
         load("scheduler.pt") if "scheduler.pt" in files else {},
-        load("scaler.pt") if "scaler.pt" in files else {},
         rng, state, config, v.manifest.get("created", 0.0),
     )
 

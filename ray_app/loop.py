@@ -343,8 +343,7 @@ class Trainer:
         self.is_rank0 = self.rank == 0  # the one predicate that decides who logs, writes and serves
         self.task, self.model, self.module = parts.task, parts.model, parts.module
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.amp = cfg.train.amp and self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16 needs no loss scaling; kept for fp16 parity
+        self.amp = cfg.train.amp and self.device.type == "cuda"  # bf16 autocast: no loss scaling (no GradScaler)
         self.stats = stats or RunStats()
         self.pos = Position()
         self.resumed_from_step = 0
@@ -381,8 +380,6 @@ class Trainer:
         self.optimizer.load_state_dict(loaded.optimizer)
         if loaded.scheduler:
             self.scheduler.load_state_dict(loaded.scheduler)
-        if loaded.scaler:
-            self.scaler.load_state_dict(loaded.scaler)
         apply_hyperparameters(self.cfg, self.optimizer, self.scheduler)
         s = loaded.state
         self.pos = Position(s["epoch"], s["batches_done"], s["global_step"])
@@ -620,7 +617,7 @@ class Trainer:
         if self.is_rank0:
             payload = CheckpointPayload(
                 model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
-                scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict(), rng_per_rank=rng_all,
+                scheduler=self.scheduler.state_dict(), rng_per_rank=rng_all,
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
                        "last_eval": self.last_eval},

@@ -29,6 +29,7 @@ from ray_app.checkpoint import (
     upload_checkpoint_dir,
     verify,
     write_checkpoint_dir,
+    write_manifest,
 )
 from ray_app.storage import LocalStorage, StorageError
 
@@ -43,7 +44,7 @@ def tiny_payload(step: int, seed: int = 0, ranks: int = 2) -> CheckpointPayload:
     opt.step()  # momentum buffers: the optimizer state is not empty
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                             scaler={}, rng_per_rank=[capture_rng_state() for _ in range(ranks)],
+                             rng_per_rank=[capture_rng_state() for _ in range(ranks)],
                              state={"epoch": 2, "batches_done": 5, "global_step": step, "world_size": ranks},
                              config={"run": {"name": RUN}}, metrics={"global_step": step, "eval_accuracy": 0.9})
 
@@ -74,15 +75,30 @@ def test_written_checkpoint_verifies_and_loads(storage):
     v = verify(storage, rel)
     assert v.ok and v.reason == "ok"
     files = set(v.manifest["files"])
-    assert {"model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", "state.json", "config.json",
-            "metrics.json", "rng/rank_0.pt", "rng/rank_1.pt"} <= files
-    assert MANIFEST not in files
+    assert files == {"model.pt", "optimizer.pt", "scheduler.pt", "state.json", "config.json", "metrics.json",
+                     "rng/rank_0.pt", "rng/rank_1.pt"}
     loaded = load_verified(storage, rel, rank=1)
     expected = tiny_payload(12)
     assert all(torch.equal(loaded.model[k], expected.model[k]) for k in expected.model)
     assert loaded.state["global_step"] == 12 and loaded.state["batches_done"] == 5
     assert loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
     assert loaded.rng is not None and loaded.uri == storage.uri(rel)
+
+
+def test_an_older_checkpoint_with_a_scaler_file_still_verifies_and_loads(storage, tmp_path):
+    """Checkpoints written before the never-enabled GradScaler was dropped hold scaler.pt (its empty state):
+    it is verified like every file the manifest lists, and the rest loads as before."""
+    local = tmp_path / "old"
+    write_checkpoint_dir(local, tiny_payload(6))
+    torch.save(torch.amp.GradScaler("cuda", enabled=False).state_dict(), local / "scaler.pt")
+    write_manifest(local, global_step=6, epoch=2)  # re-commit: the manifest lists scaler.pt as the old ones do
+    upload_checkpoint_dir(local, storage, f"{RUN}/old")
+    v = verify(storage, f"{RUN}/old")
+    assert v.ok and "scaler.pt" in v.manifest["files"]
+    loaded = load_verified(storage, f"{RUN}/old", rank=0)
+    assert loaded.state["global_step"] == 6 and loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
+    flip_byte(storage.root / RUN / "old" / "scaler.pt", offset=-1)
+    assert "sha256 mismatch in scaler.pt" in verify(storage, f"{RUN}/old").reason
 
 
 def test_dir_names_sort_by_step():
@@ -228,7 +244,7 @@ def test_every_file_loads_with_weights_only(storage):
     rel = commit(storage, 5)
     d = storage.root / rel
     written = sorted(f.relative_to(d).as_posix() for f in d.rglob("*.pt"))
-    assert written == ["model.pt", "optimizer.pt", "rng/rank_0.pt", "rng/rank_1.pt", "scaler.pt", "scheduler.pt"]
+    assert written == ["model.pt", "optimizer.pt", "rng/rank_0.pt", "rng/rank_1.pt", "scheduler.pt"]
     for name in written:
         torch.load(d / name, weights_only=True)  # raises if anything but tensors and plain containers
 

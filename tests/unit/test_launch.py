@@ -168,7 +168,7 @@ def _saved_run(root, run: str, cfg_overrides: list[str], step: int = 3) -> str:
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
     saved = load_config(None, cfg_overrides).to_dict()
-    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={}, scaler={},
+    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={},
                                 rng_per_rank=[capture_rng_state()],
                                 state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
                                 config=saved, metrics={"global_step": step})
