@@ -43,14 +43,13 @@ class UserError(RuntimeError):
 class RayRuntime:
     """Topology and Ray Train calls, read in one place."""
 
-    def __init__(self, use_gpu: bool, storage, run: str, upload_mode: str):
+    def __init__(self, storage, run: str, upload_mode: str):
         import ray.train
         import ray.train.torch
 
         self._train, self._torch = ray.train, ray.train.torch
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        self.local_rank = ctx.get_local_rank()
         self.device = ray.train.torch.get_device()
         self.storage, self.run = storage, run
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"
@@ -195,7 +194,7 @@ def worker_main(job: dict, results=None) -> None:
     enter_project(job.get("project_dir", ""))
     cfg = config_from_dict(job["config"])
     storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)
-    runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
+    runtime = RayRuntime(storage, cfg.run.name, cfg.checkpoint.upload)
     trainer = None
     try:
         if job["mode"] == "script":

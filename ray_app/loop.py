@@ -352,8 +352,7 @@ class Trainer:
         self.last_train_loss = float("nan")
         self.epoch_loss = torch.zeros((), device=self.device)  # this epoch (this attempt), this rank
         self.epoch_count = torch.zeros((), device=self.device)
-        self._loss_checked = False  # the task's outputs are checked against the contract once
-        self._eval_checked = False
+        self._loss_checked = False  # the task's loss output is checked against the contract once
 
     def print0(self, msg: str) -> None:
         if self.is_rank0:

@@ -205,9 +205,9 @@ def test_resume_from_needs_the_same_model(tmp_path, clean_path):
 class FakeRayRuntime:
     """What worker_main needs of RayRuntime, without Ray (rank 1 of 2 on the CPU)."""
 
-    def __init__(self, use_gpu, storage, run, upload_mode):
+    def __init__(self, storage, run, upload_mode):
         self.storage, self.run = storage, run
-        self.rank, self.world_size, self.local_rank = 1, 2, 1
+        self.rank, self.world_size = 1, 2
         self.device = torch.device("cpu")
 
     def prepare_model(self, model, bucket_cap_mb=25):
