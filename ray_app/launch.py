@@ -244,7 +244,7 @@ def init_ray(cfg: Config) -> None:
     address = os.environ.get("RAY_ADDRESS")
     # Ray Train copies these from the driver's environment to its controller and workers;
     # no runtime_env is needed (a job-level runtime_env would bypass Ray's pre-started workers).
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # rank 0's print() reaches the driver once
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # workers' print() goes to stdout as written, not through a logger
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # one actor less to start
     os.environ.update(hang_env(cfg.failure.hang_timeout_s))
     if address:

@@ -10,7 +10,8 @@ It reads like the practices it implements:
 4. the logged loss is the sample-weighted global mean over ranks;
 5. evaluation gathers every rank's per-sample values by the sampler's indices and
    drops the padded duplicates, so each metric equals a single-process evaluation;
-6. rank 0 alone logs progress, writes checkpoints and serves metrics.
+6. rank 0 alone logs progress, writes checkpoints and serves metrics (every rank prints one
+   line at the start: where it runs).
 
 What a batch means, the loss and the metrics come from the task (``ray_app.tasks``);
 the data, model and task are built by :func:`build_parts` from the config's plug-ins.
