@@ -213,6 +213,16 @@ class Verification:
         return "; ".join(self.problems) if self.problems else "ok"
 
 
+def manifest_format(manifest: dict) -> str:
+    """The format a manifest names; CheckpointError unless it is one of ``REQUIRED_FILES`` (a real check,
+    not an ``assert``: it holds under ``python -O`` too)."""
+    found = manifest.get("format")
+    if found not in REQUIRED_FILES:
+        raise CheckpointError(f"manifest of an unknown format {found!r} (known: {', '.join(REQUIRED_FILES)}): "
+                              "not a ray_app checkpoint, or one of a newer version")
+    return found
+
+
 def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
     """Check every manifest entry (presence, size, sha256) without loading anything.
 
@@ -226,12 +236,15 @@ def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -
         return Verification(name, False, ["no manifest (incomplete or not a ray_app checkpoint)"], None)
     try:
         manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
-        entries = manifest["files"]
-        assert manifest.get("format") in REQUIRED_FILES
+        entries = dict(manifest["files"])
     except Exception:
-        return Verification(name, False, ["manifest unreadable or of an unknown format"], None)
-    if fmt is not None and manifest["format"] != fmt:
-        return Verification(name, False, [f"a {manifest['format']} checkpoint, not {fmt}"], manifest)
+        return Verification(name, False, ["manifest unreadable (not JSON with a files mapping)"], None)
+    try:
+        found = manifest_format(manifest)
+    except CheckpointError as exc:
+        return Verification(name, False, [str(exc)], None)
+    if fmt is not None and found != fmt:
+        return Verification(name, False, [f"a {found} checkpoint, not {fmt}"], manifest)
     problems = []
     for fname, meta in sorted(entries.items()):
         if fname not in present:
@@ -240,7 +253,7 @@ def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -
             problems.append(f"size mismatch in {fname}")
         elif hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
             problems.append(f"sha256 mismatch in {fname}")
-    for required in REQUIRED_FILES[manifest["format"]]:
+    for required in REQUIRED_FILES[found]:
         if required not in entries:
             problems.append(f"manifest lists no {required}")
     return Verification(name, not problems, problems, manifest)

@@ -7,6 +7,9 @@ import json
 import pickle
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +25,7 @@ from ray_app.checkpoint import (
     checkpoint_dir_name,
     list_checkpoints,
     load_verified,
+    manifest_format,
     newest_committed_config,
     newest_verified,
     resolve_checkpoint_uri,
@@ -142,6 +146,38 @@ def test_manifest_must_list_the_model(storage):
     man_path.write_text(json.dumps(man))
     v = verify(storage, rel)
     assert not v.ok and "manifest lists no model.pt" in v.reason
+
+
+def _rewrite_format(storage, rel: str, fmt) -> None:
+    man_path = storage.root / rel / MANIFEST
+    man = json.loads(man_path.read_text())
+    man["format"] = fmt
+    man_path.write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("fmt", ["ray_app.checkpoint/2", None])
+def test_a_manifest_of_an_unknown_format_is_refused_by_name(storage, fmt):
+    rel = commit(storage, 3)
+    _rewrite_format(storage, rel, fmt)
+    v = verify(storage, rel)
+    assert not v.ok and f"manifest of an unknown format {fmt!r}" in v.reason and "ray_app.checkpoint/1" in v.reason
+    with pytest.raises(CheckpointError, match=r"failed verification: manifest of an unknown format"):
+        load_verified(storage, rel, rank=0)
+    with pytest.raises(CheckpointError, match="unknown format"):
+        manifest_format({"format": fmt, "files": {}})
+    assert manifest_format({"format": "ray_app.script/1"}) == "ray_app.script/1"
+
+
+def test_the_format_check_holds_under_python_optimize(storage):
+    """``python -O`` drops asserts: the format check is not one."""
+    rel = commit(storage, 3)
+    _rewrite_format(storage, rel, "ray_app.checkpoint/2")
+    code = ("import sys; from ray_app.checkpoint import verify; from ray_app.storage import LocalStorage; "
+            f"v = verify(LocalStorage({str(storage.root)!r}), {rel!r}); print(v.ok, v.reason)")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("False manifest of an unknown format 'ray_app.checkpoint/2'"), out.stdout
 
 
 def test_upload_writes_manifest_last(storage, tmp_path):
