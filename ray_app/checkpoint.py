@@ -372,7 +372,8 @@ class Checkpointer:
 
     It owns the cadence (``every_epochs``, ``every_steps``, the final one) and the
     account of time training was blocked (``blocked_seconds``, ``written``): the loop
-    asks ``step_due`` / ``epoch_due`` / ``final_due`` and calls ``save`` on every rank.
+    asks ``step_due`` / ``epoch_due`` / ``final_due`` and calls ``save`` on every rank, with
+    the name the writer rank took from ``new_name`` (every rank reports that one name).
     ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
     (Ray Train's ``ray.train.report`` in production).
 
@@ -429,16 +430,23 @@ class Checkpointer:
         return loaded
 
     # ------------------------------------------------------------ save
+    @staticmethod
+    def new_name(global_step: int) -> str:
+        """A new checkpoint's directory name (unique: time and random bytes). Each rank gets a different
+        one, so the loop takes the writer's and passes it to ``save`` on every rank."""
+        return checkpoint_dir_name(global_step)
+
     def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool,
-             param_keys: frozenset[str] = frozenset()) -> float | None:
+             param_keys: frozenset[str] = frozenset(), name: str | None = None) -> float | None:
         """Write or stage (on the writer rank) and report a checkpoint.
 
-        Returns the seconds training was blocked, or None while a staged snapshot is still copying
+        ``name``: the writer's :meth:`new_name`, the same on every rank (None: a new one, for a single
+        process). Returns the seconds training was blocked, or None while a staged snapshot is still copying
         (``param_keys``: the state-dict keys only an optimizer step changes, which staged mode copies in
         the background; call :meth:`settle` before the next optimizer step, it returns the total then).
         """
         t0 = time.perf_counter()
-        name = checkpoint_dir_name(metrics["global_step"])
+        name = name or self.new_name(metrics["global_step"])
         local, snapshot, uploaded = None, None, None
         if is_writer:
             if self._uploaded is not None:
@@ -449,8 +457,8 @@ class Checkpointer:
                 uploaded = self._uploaded = threading.Event()
             else:
                 write_checkpoint_dir(local, payload)
-            self.last_uri = self.storage.uri(self.run, name)
-        metrics = dict(metrics, checkpoint=self.storage.uri(self.run, name))
+        self.last_uri = self.storage.uri(self.run, name)  # every rank: the name is the writer's
+        metrics = dict(metrics, checkpoint=self.last_uri)
 
         def upload(local_dir: Path, dir_name: str) -> None:
             try:

@@ -60,9 +60,11 @@ class RayRuntime:
             "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True})
 
     def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
-        """Every rank calls this the same number of times (ray.train.report is a barrier)."""
+        """Every rank calls this the same number of times (ray.train.report is a barrier). A checkpoint's
+        report names the same ``dir_name`` on every rank, the writer's, though only the writer has ``local_dir``
+        (Ray Train takes rank 0's name for all)."""
         if local_dir is None:
-            self._train.report(metrics)
+            self._train.report(metrics, checkpoint_dir_name=dir_name)
             return
         from ray_app.checkpoint import cleanup_local
 

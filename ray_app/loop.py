@@ -610,8 +610,11 @@ class Trainer:
 
     def checkpoint(self, metrics: dict | None = None) -> None:
         """Every rank calls this at the same point (RNG gather + Ray's report are collectives)."""
-        rng_all = [None] * self.world_size
-        dist.all_gather_object(rng_all, capture_rng_state())  # sync point: each rank's RNG goes to rank 0
+        gathered = [None] * self.world_size
+        # sync point: each rank's RNG goes to rank 0, and rank 0's name for the checkpoint to every rank
+        dist.all_gather_object(gathered, (capture_rng_state(), self.ckpt.new_name(self.pos.global_step)))
+        rng_all = [rng for rng, _ in gathered]
+        name = gathered[0][1]  # the writer's: every rank reports the directory that will exist
         metrics = dict(self._metrics_dict(), **(metrics or {}))
         payload = None
         if self.is_rank0:
@@ -623,7 +626,8 @@ class Trainer:
                        "last_eval": self.last_eval},
                 config=self.cfg.to_dict(), metrics=metrics,
             )
-        self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys))
+        self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys,
+                                     name=name))
         self._checkpointed_at = self.pos.global_step
 
     def _account(self, blocked: float | None) -> None:

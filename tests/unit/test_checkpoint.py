@@ -244,13 +244,15 @@ def test_checkpointer_save_reports_on_every_rank_and_writes_only_on_the_writer(s
 
     writer = Checkpointer(storage, RUN, report)
     other = Checkpointer(storage, RUN, report)
-    writer.save(tiny_payload(4), {"global_step": 4}, is_writer=True)
-    other.save(None, {"global_step": 4}, is_writer=False)
-    assert calls[1][1] is None
-    assert calls[0][0]["checkpoint"] == storage.uri(RUN, calls[0][2])
-    name, _ = newest_verified(storage, RUN)
-    assert name == calls[0][2]
-    assert writer.last_uri == storage.uri(RUN, name)
+    name = writer.new_name(4)  # the writer's, shared with every rank (the loop gathers it with the RNG states)
+    writer.save(tiny_payload(4), {"global_step": 4}, is_writer=True, name=name)
+    other.save(None, {"global_step": 4}, is_writer=False, name=name)
+    assert calls[0][1] is not None and calls[1][1] is None
+    # every rank reports the one directory that exists: the same name, the same checkpoint URI
+    assert calls[0][2] == calls[1][2] == name
+    assert calls[0][0]["checkpoint"] == calls[1][0]["checkpoint"] == storage.uri(RUN, name)
+    assert newest_verified(storage, RUN)[0] == name
+    assert writer.last_uri == other.last_uri == storage.uri(RUN, name)
 
 
 def _draws():

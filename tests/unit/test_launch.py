@@ -200,6 +200,44 @@ def test_resume_from_needs_the_same_model(tmp_path, clean_path):
         preflight_run(load_config(None, [f"run.storage={runs}", "run.name=new2", f"run.resume_from={source}"]))
 
 
+# ---------------------------------------------------------------- RayRuntime.report
+
+class FakeRayTrain:
+    """The parts of ``ray.train`` that RayRuntime.report calls; records each report's checkpoint name."""
+
+    class CheckpointUploadMode:
+        SYNC, ASYNC = "sync", "async"
+
+    class Checkpoint:
+        def __init__(self, path, filesystem=None):
+            self.path = path
+
+        @classmethod
+        def from_directory(cls, path):
+            return cls(path)
+
+    def __init__(self):
+        self.reports = []
+
+    def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **kwargs):
+        self.reports.append((checkpoint is not None, checkpoint_dir_name))
+
+
+def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
+    from ray_app.storage import LocalStorage
+
+    train = FakeRayTrain()
+    rt = object.__new__(launch.RayRuntime)  # without Ray: what __init__ would read from ray.train
+    rt._train, rt.storage, rt.run, rt.upload_mode = train, LocalStorage(str(tmp_path)), "r", "sync"
+    name = checkpoint_dir_name(4)
+    rt.report({"global_step": 4}, None, name)  # a rank that does not write
+    local = tmp_path / "local"
+    local.mkdir()
+    rt.report({"global_step": 4}, local, name, upload=lambda local_dir, dir_name: None)  # the writer
+    rt.report({"global_step": 5})  # a report without a checkpoint
+    assert train.reports == [(False, name), (True, name), (False, None)]
+
+
 # ---------------------------------------------------------------- a worker's error
 
 class FakeRayRuntime:
