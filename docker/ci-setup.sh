@@ -20,7 +20,9 @@ install_missing() {
   export DEBIAN_FRONTEND=noninteractive
   # Another apt run may hold the lock for a while: wait instead of failing.
   apt-get -o DPkg::Lock::Timeout=600 update -qq
-  apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${need[@]}" >/dev/null
+  # no service starts during the install (Debian's prometheus would start a server on :9090)
+  bash "$(dirname "${BASH_SOURCE[0]}")/no-service-starts.sh" \
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${need[@]}" >/dev/null
 }
 
 start_engine() {

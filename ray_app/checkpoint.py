@@ -2,10 +2,13 @@
 
 Layout of one checkpoint, ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``::
 
-    model.pt  optimizer.pt  scheduler.pt  scaler.pt   (torch.save of plain state dicts)
-    rng/rank_{r}.pt                                    (each rank's torch/numpy/python RNG)
-    state.json  config.json  metrics.json              (position in training, the config, metrics)
-    manifest.json                                      (sha256 + size of every file above; uploaded last)
+    model.pt  optimizer.pt  scheduler.pt          (torch.save of plain state dicts)
+    rng/rank_{r}.pt                               (each rank's torch/numpy/python RNG)
+    state.json  config.json  metrics.json         (position in training, the config, metrics)
+    manifest.json                                 (sha256 + size of every file above; uploaded last)
+
+Older checkpoints also hold ``scaler.pt`` (the state of a GradScaler that was never enabled: bf16
+autocast needs no loss scaling); it is verified with the rest and not loaded.
 
 A checkpoint whose manifest is missing or does not match is never loaded.
 Loading uses ``torch.load(..., weights_only=True)`` only.
@@ -102,7 +105,6 @@ class CheckpointPayload:
     model: dict
     optimizer: dict
     scheduler: dict
-    scaler: dict
     rng_per_rank: list[dict]
     state: dict  # state.json: epoch, batches_done (in the epoch), global_step, world_size, last_eval (the newest
     #              eval metrics: a resumed run's summary and checkpoints carry them until it evaluates again)
@@ -114,7 +116,7 @@ def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
     """Write every file, then the manifest (last). Returns the manifest."""
     path.mkdir(parents=True, exist_ok=True)
     for name, obj in (("model.pt", payload.model), ("optimizer.pt", payload.optimizer),
-                      ("scheduler.pt", payload.scheduler), ("scaler.pt", payload.scaler)):
+                      ("scheduler.pt", payload.scheduler)):
         torch.save(obj, path / name)
     (path / "rng").mkdir(exist_ok=True)
     for rank, rng in enumerate(payload.rng_per_rank):
@@ -161,8 +163,8 @@ class Snapshot:
         self._model = {k: v if k in param_keys else _cpu_copy(v) for k, v in payload.model.items()}
         self._param_keys = param_keys
         self._optimizer = payload.optimizer
-        self._small = _cpu_copy({"scheduler": payload.scheduler, "scaler": payload.scaler, "rng": payload.rng_per_rank,
-                                 "state": payload.state, "config": payload.config, "metrics": payload.metrics})
+        self._small = _cpu_copy({"scheduler": payload.scheduler, "rng": payload.rng_per_rank, "state": payload.state,
+                                 "config": payload.config, "metrics": payload.metrics})
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._copy_rest, name="ray-app-ckpt-snapshot", daemon=True)
         self._thread.start()
@@ -186,8 +188,7 @@ class Snapshot:
         self.wait()
         s = self._small
         return CheckpointPayload(model=self._model, optimizer=self._optimizer, scheduler=s["scheduler"],
-                                 scaler=s["scaler"], rng_per_rank=s["rng"], state=s["state"], config=s["config"],
-                                 metrics=s["metrics"])
+                                 rng_per_rank=s["rng"], state=s["state"], config=s["config"], metrics=s["metrics"])
 
 
 def upload_checkpoint_dir(local: Path, storage, rel: str) -> None:
@@ -212,6 +213,16 @@ class Verification:
         return "; ".join(self.problems) if self.problems else "ok"
 
 
+def manifest_format(manifest: dict) -> str:
+    """The format a manifest names; CheckpointError unless it is one of ``REQUIRED_FILES`` (a real check,
+    not an ``assert``: it holds under ``python -O`` too)."""
+    found = manifest.get("format")
+    if found not in REQUIRED_FILES:
+        raise CheckpointError(f"manifest of an unknown format {found!r} (known: {', '.join(REQUIRED_FILES)}): "
+                              "not a ray_app checkpoint, or one of a newer version")
+    return found
+
+
 def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
     """Check every manifest entry (presence, size, sha256) without loading anything.
 
@@ -225,12 +236,15 @@ def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -
         return Verification(name, False, ["no manifest (incomplete or not a ray_app checkpoint)"], None)
     try:
         manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
-        entries = manifest["files"]
-        assert manifest.get("format") in REQUIRED_FILES
+        entries = dict(manifest["files"])
     except Exception:
-        return Verification(name, False, ["manifest unreadable or of an unknown format"], None)
-    if fmt is not None and manifest["format"] != fmt:
-        return Verification(name, False, [f"a {manifest['format']} checkpoint, not {fmt}"], manifest)
+        return Verification(name, False, ["manifest unreadable (not JSON with a files mapping)"], None)
+    try:
+        found = manifest_format(manifest)
+    except CheckpointError as exc:
+        return Verification(name, False, [str(exc)], None)
+    if fmt is not None and found != fmt:
+        return Verification(name, False, [f"a {found} checkpoint, not {fmt}"], manifest)
     problems = []
     for fname, meta in sorted(entries.items()):
         if fname not in present:
@@ -239,7 +253,7 @@ def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -
             problems.append(f"size mismatch in {fname}")
         elif hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
             problems.append(f"sha256 mismatch in {fname}")
-    for required in REQUIRED_FILES[manifest["format"]]:
+    for required in REQUIRED_FILES[found]:
         if required not in entries:
             problems.append(f"manifest lists no {required}")
     return Verification(name, not problems, problems, manifest)
@@ -286,7 +300,6 @@ class LoadedCheckpoint:
     model: dict
     optimizer: dict
     scheduler: dict
-    scaler: dict
     rng: dict | None
     state: dict
     config: dict
@@ -327,14 +340,13 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
     state = json.loads(read("state.json"))
     config = json.loads(read("config.json"))
     if model_only:
-        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, {}, None, state, config,
+        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, None, state, config,
                                 v.manifest.get("created", 0.0))
     rng_name = f"rng/rank_{rank}.pt"
     rng = load(rng_name) if rank is not None and rng_name in files else None
     return LoadedCheckpoint(
         storage.uri(rel), model, load("optimizer.pt"),
         load("scheduler.pt") if "scheduler.pt" in files else {},
-        load("scaler.pt") if "scaler.pt" in files else {},
         rng, state, config, v.manifest.get("created", 0.0),
     )
 
@@ -360,7 +372,8 @@ class Checkpointer:
 
     It owns the cadence (``every_epochs``, ``every_steps``, the final one) and the
     account of time training was blocked (``blocked_seconds``, ``written``): the loop
-    asks ``step_due`` / ``epoch_due`` / ``final_due`` and calls ``save`` on every rank.
+    asks ``step_due`` / ``epoch_due`` / ``final_due`` and calls ``save`` on every rank, with
+    the name the writer rank took from ``new_name`` (every rank reports that one name).
     ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
     (Ray Train's ``ray.train.report`` in production).
 
@@ -417,16 +430,23 @@ class Checkpointer:
         return loaded
 
     # ------------------------------------------------------------ save
+    @staticmethod
+    def new_name(global_step: int) -> str:
+        """A new checkpoint's directory name (unique: time and random bytes). Each rank gets a different
+        one, so the loop takes the writer's and passes it to ``save`` on every rank."""
+        return checkpoint_dir_name(global_step)
+
     def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool,
-             param_keys: frozenset[str] = frozenset()) -> float | None:
+             param_keys: frozenset[str] = frozenset(), name: str | None = None) -> float | None:
         """Write or stage (on the writer rank) and report a checkpoint.
 
-        Returns the seconds training was blocked, or None while a staged snapshot is still copying
+        ``name``: the writer's :meth:`new_name`, the same on every rank (None: a new one, for a single
+        process). Returns the seconds training was blocked, or None while a staged snapshot is still copying
         (``param_keys``: the state-dict keys only an optimizer step changes, which staged mode copies in
         the background; call :meth:`settle` before the next optimizer step, it returns the total then).
         """
         t0 = time.perf_counter()
-        name = checkpoint_dir_name(metrics["global_step"])
+        name = name or self.new_name(metrics["global_step"])
         local, snapshot, uploaded = None, None, None
         if is_writer:
             if self._uploaded is not None:
@@ -437,8 +457,8 @@ class Checkpointer:
                 uploaded = self._uploaded = threading.Event()
             else:
                 write_checkpoint_dir(local, payload)
-            self.last_uri = self.storage.uri(self.run, name)
-        metrics = dict(metrics, checkpoint=self.storage.uri(self.run, name))
+        self.last_uri = self.storage.uri(self.run, name)  # every rank: the name is the writer's
+        metrics = dict(metrics, checkpoint=self.last_uri)
 
         def upload(local_dir: Path, dir_name: str) -> None:
             try:

@@ -23,9 +23,9 @@ class ConfigError(ValueError):
     """Bad input a user can fix: the message names the key and the fix."""
 
 
-def _f(default, help: str, choices=None, min=None, max=None, nullable=False):
+def _f(default, help: str, choices=None, min=None, max=None):
     """A config field with its help text and bounds kept in metadata."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "nullable": nullable}
+    meta = {"help": help, "choices": choices, "min": min, "max": max}
     return field(default=default, metadata=meta)
 
 

@@ -43,14 +43,13 @@ class UserError(RuntimeError):
 class RayRuntime:
     """Topology and Ray Train calls, read in one place."""
 
-    def __init__(self, use_gpu: bool, storage, run: str, upload_mode: str):
+    def __init__(self, storage, run: str, upload_mode: str):
         import ray.train
         import ray.train.torch
 
         self._train, self._torch = ray.train, ray.train.torch
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        self.local_rank = ctx.get_local_rank()
         self.device = ray.train.torch.get_device()
         self.storage, self.run = storage, run
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"
@@ -61,9 +60,11 @@ class RayRuntime:
             "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True})
 
     def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
-        """Every rank calls this the same number of times (ray.train.report is a barrier)."""
+        """Every rank calls this the same number of times (ray.train.report is a barrier). A checkpoint's
+        report names the same ``dir_name`` on every rank, the writer's, though only the writer has ``local_dir``
+        (Ray Train takes rank 0's name for all)."""
         if local_dir is None:
-            self._train.report(metrics)
+            self._train.report(metrics, checkpoint_dir_name=dir_name)
             return
         from ray_app.checkpoint import cleanup_local
 
@@ -195,7 +196,7 @@ def worker_main(job: dict, results=None) -> None:
     enter_project(job.get("project_dir", ""))
     cfg = config_from_dict(job["config"])
     storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)
-    runtime = RayRuntime(cfg.scaling.use_gpu, storage, cfg.run.name, cfg.checkpoint.upload)
+    runtime = RayRuntime(storage, cfg.run.name, cfg.checkpoint.upload)
     trainer = None
     try:
         if job["mode"] == "script":
@@ -245,7 +246,7 @@ def init_ray(cfg: Config) -> None:
     address = os.environ.get("RAY_ADDRESS")
     # Ray Train copies these from the driver's environment to its controller and workers;
     # no runtime_env is needed (a job-level runtime_env would bypass Ray's pre-started workers).
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # rank 0's print() reaches the driver once
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # workers' print() goes to stdout as written, not through a logger
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # one actor less to start
     os.environ.update(hang_env(cfg.failure.hang_timeout_s))
     if address:

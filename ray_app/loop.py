@@ -10,7 +10,8 @@ It reads like the practices it implements:
 4. the logged loss is the sample-weighted global mean over ranks;
 5. evaluation gathers every rank's per-sample values by the sampler's indices and
    drops the padded duplicates, so each metric equals a single-process evaluation;
-6. rank 0 alone logs progress, writes checkpoints and serves metrics.
+6. rank 0 alone logs progress, writes checkpoints and serves metrics (every rank prints one
+   line at the start: where it runs).
 
 What a batch means, the loss and the metrics come from the task (``ray_app.tasks``);
 the data, model and task are built by :func:`build_parts` from the config's plug-ins.
@@ -373,8 +374,7 @@ class Trainer:
         self.is_rank0 = self.rank == 0  # the one predicate that decides who logs, writes and serves
         self.task, self.model, self.module = parts.task, parts.model, parts.module
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.amp = cfg.train.amp and self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16 needs no loss scaling; kept for fp16 parity
+        self.amp = cfg.train.amp and self.device.type == "cuda"  # bf16 autocast: no loss scaling (no GradScaler)
         self.stats = stats or RunStats()
         self.pos = Position()
         self.resumed_from_step = 0
@@ -383,8 +383,7 @@ class Trainer:
         self.last_train_loss = float("nan")
         self.epoch_loss = torch.zeros((), device=self.device)  # this epoch (this attempt), this rank
         self.epoch_count = torch.zeros((), device=self.device)
-        self._loss_checked = False  # the task's outputs are checked against the contract once
-        self._eval_checked = False
+        self._loss_checked = False  # the task's loss output is checked against the contract once
 
     def print0(self, msg: str) -> None:
         if self.is_rank0:
@@ -411,8 +410,6 @@ class Trainer:
         self.optimizer.load_state_dict(loaded.optimizer)
         if loaded.scheduler:
             self.scheduler.load_state_dict(loaded.scheduler)
-        if loaded.scaler:
-            self.scaler.load_state_dict(loaded.scaler)
         s = loaded.state
         saved_world = s.get("world_size", self.world_size)
         bs = self.cfg.data.batch_size
@@ -665,21 +662,25 @@ class Trainer:
 
     def checkpoint(self, metrics: dict | None = None) -> None:
         """Every rank calls this at the same point (RNG gather + Ray's report are collectives)."""
-        rng_all = [None] * self.world_size
-        dist.all_gather_object(rng_all, capture_rng_state())  # sync point: each rank's RNG goes to rank 0
+        gathered = [None] * self.world_size
+        # sync point: each rank's RNG goes to rank 0, and rank 0's name for the checkpoint to every rank
+        dist.all_gather_object(gathered, (capture_rng_state(), self.ckpt.new_name(self.pos.global_step)))
+        rng_all = [rng for rng, _ in gathered]
+        name = gathered[0][1]  # the writer's: every rank reports the directory that will exist
         metrics = dict(self._metrics_dict(), **(metrics or {}))
         payload = None
         if self.is_rank0:
             payload = CheckpointPayload(
                 model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
-                scheduler=self.scheduler.state_dict(), scaler=self.scaler.state_dict(), rng_per_rank=rng_all,
+                scheduler=self.scheduler.state_dict(), rng_per_rank=rng_all,
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
                        "samples_done": self.pos.samples_done,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
                        "last_eval": self.last_eval},
                 config=self.cfg.to_dict(), metrics=metrics,
             )
-        self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys))
+        self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys,
+                                     name=name))
         self._checkpointed_at = self.pos.global_step
 
     def _account(self, blocked: float | None) -> None:

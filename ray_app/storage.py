@@ -115,8 +115,6 @@ def _join(*parts: str) -> str:
 class LocalStorage:
     """Runs under a local folder."""
 
-    scheme = "file"
-
     def __init__(self, root: str):
         self.root = Path(root).expanduser().resolve()
 
@@ -139,21 +137,12 @@ class LocalStorage:
     def read_bytes(self, rel: str) -> bytes:
         return self._p(rel).read_bytes()
 
-    def exists(self, rel: str) -> bool:
-        return self._p(rel).exists()
-
     def upload_file(self, local: str, rel: str) -> None:
         dst = self._p(rel)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
         shutil.copyfile(local, tmp)
         os.replace(tmp, dst)
-
-    def download_file(self, rel: str, local: str) -> None:
-        shutil.copyfile(self._p(rel), local)
-
-    def delete_tree(self, rel: str) -> None:
-        shutil.rmtree(self._p(rel), ignore_errors=True)
 
     def ray_storage(self):
         """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
@@ -165,8 +154,6 @@ class LocalStorage:
 
 class S3Storage:
     """Runs under ``s3://bucket/prefix``, reached with boto3 (and pyarrow for Ray)."""
-
-    scheme = "s3"
 
     def __init__(self, uri: str, retry_s: float = 0.0):
         self.settings = S3Settings.resolve(uri)
@@ -220,26 +207,9 @@ class S3Storage:
         return self._retry(f"reading {rel}", lambda: self.client.get_object(
             Bucket=self.settings.bucket, Key=self._key(rel))["Body"].read())
 
-    def exists(self, rel: str) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client.head_object(Bucket=self.settings.bucket, Key=self._key(rel))
-            return True
-        except ClientError:
-            return bool(self.list_files(rel))
-
     def upload_file(self, local: str, rel: str) -> None:
         # one object per call: a retry re-sends the whole file (a multipart upload restarts cleanly)
         self._retry(f"upload of {rel}", self.client.upload_file, local, self.settings.bucket, self._key(rel))
-
-    def download_file(self, rel: str, local: str) -> None:
-        self.client.download_file(self.settings.bucket, self._key(rel), local)
-
-    def delete_tree(self, rel: str) -> None:
-        keys = [{"Key": self._key(_join(rel, k))} for k in self.list_files(rel)]
-        for i in range(0, len(keys), 1000):
-            self.client.delete_objects(Bucket=self.settings.bucket, Delete={"Objects": keys[i:i + 1000]})
 
     def pyarrow_fs(self):
         """The filesystem Ray Train writes its own files with (run state, deletion of old checkpoints):

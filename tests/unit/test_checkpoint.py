@@ -7,6 +7,9 @@ import json
 import pickle
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,6 +25,7 @@ from ray_app.checkpoint import (
     checkpoint_dir_name,
     list_checkpoints,
     load_verified,
+    manifest_format,
     newest_committed_config,
     newest_verified,
     resolve_checkpoint_uri,
@@ -29,6 +33,7 @@ from ray_app.checkpoint import (
     upload_checkpoint_dir,
     verify,
     write_checkpoint_dir,
+    write_manifest,
 )
 from ray_app.storage import LocalStorage, StorageError
 
@@ -43,7 +48,7 @@ def tiny_payload(step: int, seed: int = 0, ranks: int = 2) -> CheckpointPayload:
     opt.step()  # momentum buffers: the optimizer state is not empty
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                             scaler={}, rng_per_rank=[capture_rng_state() for _ in range(ranks)],
+                             rng_per_rank=[capture_rng_state() for _ in range(ranks)],
                              state={"epoch": 2, "batches_done": 5, "global_step": step, "world_size": ranks},
                              config={"run": {"name": RUN}}, metrics={"global_step": step, "eval_accuracy": 0.9})
 
@@ -74,15 +79,30 @@ def test_written_checkpoint_verifies_and_loads(storage):
     v = verify(storage, rel)
     assert v.ok and v.reason == "ok"
     files = set(v.manifest["files"])
-    assert {"model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", "state.json", "config.json",
-            "metrics.json", "rng/rank_0.pt", "rng/rank_1.pt"} <= files
-    assert MANIFEST not in files
+    assert files == {"model.pt", "optimizer.pt", "scheduler.pt", "state.json", "config.json", "metrics.json",
+                     "rng/rank_0.pt", "rng/rank_1.pt"}
     loaded = load_verified(storage, rel, rank=1)
     expected = tiny_payload(12)
     assert all(torch.equal(loaded.model[k], expected.model[k]) for k in expected.model)
     assert loaded.state["global_step"] == 12 and loaded.state["batches_done"] == 5
     assert loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
     assert loaded.rng is not None and loaded.uri == storage.uri(rel)
+
+
+def test_an_older_checkpoint_with_a_scaler_file_still_verifies_and_loads(storage, tmp_path):
+    """Checkpoints written before the never-enabled GradScaler was dropped hold scaler.pt (its empty state):
+    it is verified like every file the manifest lists, and the rest loads as before."""
+    local = tmp_path / "old"
+    write_checkpoint_dir(local, tiny_payload(6))
+    torch.save(torch.amp.GradScaler("cuda", enabled=False).state_dict(), local / "scaler.pt")
+    write_manifest(local, global_step=6, epoch=2)  # re-commit: the manifest lists scaler.pt as the old ones do
+    upload_checkpoint_dir(local, storage, f"{RUN}/old")
+    v = verify(storage, f"{RUN}/old")
+    assert v.ok and "scaler.pt" in v.manifest["files"]
+    loaded = load_verified(storage, f"{RUN}/old", rank=0)
+    assert loaded.state["global_step"] == 6 and loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
+    flip_byte(storage.root / RUN / "old" / "scaler.pt", offset=-1)
+    assert "sha256 mismatch in scaler.pt" in verify(storage, f"{RUN}/old").reason
 
 
 def test_dir_names_sort_by_step():
@@ -126,6 +146,38 @@ def test_manifest_must_list_the_model(storage):
     man_path.write_text(json.dumps(man))
     v = verify(storage, rel)
     assert not v.ok and "manifest lists no model.pt" in v.reason
+
+
+def _rewrite_format(storage, rel: str, fmt) -> None:
+    man_path = storage.root / rel / MANIFEST
+    man = json.loads(man_path.read_text())
+    man["format"] = fmt
+    man_path.write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("fmt", ["ray_app.checkpoint/2", None])
+def test_a_manifest_of_an_unknown_format_is_refused_by_name(storage, fmt):
+    rel = commit(storage, 3)
+    _rewrite_format(storage, rel, fmt)
+    v = verify(storage, rel)
+    assert not v.ok and f"manifest of an unknown format {fmt!r}" in v.reason and "ray_app.checkpoint/1" in v.reason
+    with pytest.raises(CheckpointError, match=r"failed verification: manifest of an unknown format"):
+        load_verified(storage, rel, rank=0)
+    with pytest.raises(CheckpointError, match="unknown format"):
+        manifest_format({"format": fmt, "files": {}})
+    assert manifest_format({"format": "ray_app.script/1"}) == "ray_app.script/1"
+
+
+def test_the_format_check_holds_under_python_optimize(storage):
+    """``python -O`` drops asserts: the format check is not one."""
+    rel = commit(storage, 3)
+    _rewrite_format(storage, rel, "ray_app.checkpoint/2")
+    code = ("import sys; from ray_app.checkpoint import verify; from ray_app.storage import LocalStorage; "
+            f"v = verify(LocalStorage({str(storage.root)!r}), {rel!r}); print(v.ok, v.reason)")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("False manifest of an unknown format 'ray_app.checkpoint/2'"), out.stdout
 
 
 def test_upload_writes_manifest_last(storage, tmp_path):
@@ -192,13 +244,15 @@ def test_checkpointer_save_reports_on_every_rank_and_writes_only_on_the_writer(s
 
     writer = Checkpointer(storage, RUN, report)
     other = Checkpointer(storage, RUN, report)
-    writer.save(tiny_payload(4), {"global_step": 4}, is_writer=True)
-    other.save(None, {"global_step": 4}, is_writer=False)
-    assert calls[1][1] is None
-    assert calls[0][0]["checkpoint"] == storage.uri(RUN, calls[0][2])
-    name, _ = newest_verified(storage, RUN)
-    assert name == calls[0][2]
-    assert writer.last_uri == storage.uri(RUN, name)
+    name = writer.new_name(4)  # the writer's, shared with every rank (the loop gathers it with the RNG states)
+    writer.save(tiny_payload(4), {"global_step": 4}, is_writer=True, name=name)
+    other.save(None, {"global_step": 4}, is_writer=False, name=name)
+    assert calls[0][1] is not None and calls[1][1] is None
+    # every rank reports the one directory that exists: the same name, the same checkpoint URI
+    assert calls[0][2] == calls[1][2] == name
+    assert calls[0][0]["checkpoint"] == calls[1][0]["checkpoint"] == storage.uri(RUN, name)
+    assert newest_verified(storage, RUN)[0] == name
+    assert writer.last_uri == other.last_uri == storage.uri(RUN, name)
 
 
 def _draws():
@@ -227,8 +281,10 @@ def test_rng_round_trip_reproduces_draws(storage, tmp_path):
 def test_every_file_loads_with_weights_only(storage):
     rel = commit(storage, 5)
     d = storage.root / rel
-    for f in sorted(d.rglob("*.pt")):
-        torch.load(f, weights_only=True)  # raises if anything but tensors and plain containers
+    written = sorted(f.relative_to(d).as_posix() for f in d.rglob("*.pt"))
+    assert written == ["model.pt", "optimizer.pt", "rng/rank_0.pt", "rng/rank_1.pt", "scheduler.pt"]
+    for name in written:
+        torch.load(d / name, weights_only=True)  # raises if anything but tensors and plain containers
 
 
 class Payload:

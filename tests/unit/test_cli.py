@@ -30,7 +30,7 @@ def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    payload = CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler={}, scaler={},
+    payload = CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler={},
                                 rng_per_rank=[capture_rng_state()],
                                 state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
                                 config={}, metrics={"eval_accuracy": 0.5, "global_step": step})
@@ -274,7 +274,7 @@ def test_checkpoints_list_shows_every_eval_metric_of_the_task(run_cli, tmp_path)
     (ckpt / "metrics.json").write_text(json.dumps(metrics))
     # re-commit: the manifest must list the new metrics.json
     payload = CheckpointPayload(model=torch.load(ckpt / "model.pt", weights_only=True), optimizer={}, scheduler={},
-                                scaler={}, rng_per_rank=[capture_rng_state()],
+                                rng_per_rank=[capture_rng_state()],
                                 state={"epoch": 1, "batches_done": 0, "global_step": 7, "world_size": 1},
                                 config={}, metrics=metrics)
     write_checkpoint_dir(ckpt, payload)

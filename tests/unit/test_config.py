@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 from pathlib import Path
 
@@ -9,33 +11,31 @@ import pytest
 import yaml
 
 from ray_app.config import Config, ConfigError, load_config, parse_override
-from ray_app.config_reference import describe_keys, format_default, keys_markdown
+from ray_app.config_reference import describe_keys, format_default, keys_markdown, sections
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def test_defaults_are_valid_and_match_the_documented_default_run():
-    cfg = load_config(None, [])
-    assert isinstance(cfg, Config)
-    assert (cfg.data.name, cfg.model.name, cfg.scaling.num_workers) == ("digits", "digits_cnn", 2)
-    # ./runs, made absolute against the directory the command runs in (Ray workers run elsewhere)
-    assert cfg.run.storage == str(Path.cwd() / "runs")
-    assert cfg.metrics.port == 9500
+def test_every_default_is_a_value_its_key_accepts():
+    """A run without a config file uses the defaults as they are (load_config checks only what a file or --set
+    gives), so each must pass its own key's checks (type, bounds, choices), as if a file had given it."""
+    from ray_app.config import config_from_dict
+
+    defaults = Config()
+    assert config_from_dict(defaults.to_dict()) == defaults  # every key through the checks a file's values get
 
 
-def test_every_key_has_help_text():
+def test_every_key_has_help_text_and_the_help_names_its_choices():
     rows = describe_keys()
     assert len(rows) >= 30
-    assert all(help_text.strip() for _, _, _, help_text in rows)
-    documented = {"run.name", "run.seed", "run.storage", "data.name", "data.path", "data.batch_size",
-                  "data.loader_workers", "model.name", "train.epochs", "train.lr", "train.optimizer",
-                  "train.weight_decay", "train.warmup_epochs", "train.grad_accum", "train.clip_grad_norm",
-                  "train.amp", "checkpoint.every_epochs", "checkpoint.every_steps", "checkpoint.keep",
-                  "checkpoint.upload", "scaling.num_workers", "scaling.use_gpu", "scaling.cpus_per_worker",
-                  "scaling.gpus_per_worker", "failure.max_failures", "metrics.enabled", "metrics.port",
-                  "data.args", "model.args", "task.name", "task.args"}
-    assert documented <= {key for key, *_ in rows}
+    for key, _typ, _default, help_text in rows:
+        assert help_text.strip(), key
+    for section, cls in sections():
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("choices"):
+                (help_text,) = [h for k, *_, h in rows if k == f"{section}.{f.name}"]
+                assert help_text.endswith(f"One of: {', '.join(f.metadata['choices'])}."), f"{section}.{f.name}"
 
 
 def test_local_yaml_is_shipped():
@@ -274,9 +274,17 @@ def readme_config_rows() -> dict[str, tuple[str, str, str]]:
     """{key: (type, default, meaning)} of the README's "## Configuration" table."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \| (\w+) \| `(.*?)` \| (.*) \|$", section, re.M)
-    assert len({r[0] for r in rows}) == len(rows), "a key has two rows"
-    return {key: (typ, default, meaning) for key, typ, default, meaning in rows}
+    lines = section.splitlines()
+    start = lines.index("| key | type | default | meaning |")
+    assert lines[start + 1] == "| --- | --- | --- | --- |"
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:]))
+    rows = {}
+    for line in table:  # every row of the table, not only those that look right: none is skipped unread
+        m = re.fullmatch(r"\| `([^`]+)` \| (\w+) \| `(.*?)` \| (.*) \|", line)
+        assert m, f"README config table: {line!r} is not a `key` | type | `default` | meaning row"
+        assert m.group(1) not in rows, f"README config table: {m.group(1)} has two rows"
+        rows[m.group(1)] = m.group(2, 3, 4)
+    return rows
 
 
 def test_readme_config_table_has_every_key_with_its_type_default_and_help():

@@ -205,15 +205,14 @@ def test_ray_metrics_podmonitor_scrapes_kuberays_metrics_port():
     ("monitoring/grafana/ray-app-dashboard.json", "k8s/monitoring/ray-app-dashboard.json"),
 ])
 def test_copies_under_k8s_are_identical(src, copy):
-    if not (REPO / src).is_file():
-        pytest.skip(f"{src} does not exist yet")
+    assert (REPO / src).is_file(), f"{src} is missing: it is the source of {copy} (make k8s-sync copies it)"
+    assert (REPO / copy).is_file(), f"{copy} is missing: run make k8s-sync"
     assert (REPO / copy).read_bytes() == (REPO / src).read_bytes(), f"{copy} differs from {src}: run make k8s-sync"
 
 
 def test_prometheus_rule_carries_the_alert_rules_file():
     src = REPO / "monitoring" / "rules" / "ray-app.rules.yml"
-    if not src.is_file():
-        pytest.skip("monitoring/rules/ray-app.rules.yml does not exist yet")
+    assert src.is_file(), "monitoring/rules/ray-app.rules.yml is missing: the PrometheusRule is made from it"
     rule = one(render("monitoring"), "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(src.read_text())["groups"], "run make k8s-sync"
 

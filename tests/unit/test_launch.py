@@ -185,7 +185,7 @@ def _saved_run(root, run: str, cfg_overrides: list[str], step: int = 3) -> str:
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
     saved = load_config(None, cfg_overrides).to_dict()
-    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={}, scaler={},
+    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={},
                                 rng_per_rank=[capture_rng_state()],
                                 state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
                                 config=saved, metrics={"global_step": step})
@@ -217,14 +217,52 @@ def test_resume_from_needs_the_same_model(tmp_path, clean_path):
         preflight_run(load_config(None, [f"run.storage={runs}", "run.name=new2", f"run.resume_from={source}"]))
 
 
+# ---------------------------------------------------------------- RayRuntime.report
+
+class FakeRayTrain:
+    """The parts of ``ray.train`` that RayRuntime.report calls; records each report's checkpoint name."""
+
+    class CheckpointUploadMode:
+        SYNC, ASYNC = "sync", "async"
+
+    class Checkpoint:
+        def __init__(self, path, filesystem=None):
+            self.path = path
+
+        @classmethod
+        def from_directory(cls, path):
+            return cls(path)
+
+    def __init__(self):
+        self.reports = []
+
+    def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **kwargs):
+        self.reports.append((checkpoint is not None, checkpoint_dir_name))
+
+
+def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
+    from ray_app.storage import LocalStorage
+
+    train = FakeRayTrain()
+    rt = object.__new__(launch.RayRuntime)  # without Ray: what __init__ would read from ray.train
+    rt._train, rt.storage, rt.run, rt.upload_mode = train, LocalStorage(str(tmp_path)), "r", "sync"
+    name = checkpoint_dir_name(4)
+    rt.report({"global_step": 4}, None, name)  # a rank that does not write
+    local = tmp_path / "local"
+    local.mkdir()
+    rt.report({"global_step": 4}, local, name, upload=lambda local_dir, dir_name: None)  # the writer
+    rt.report({"global_step": 5})  # a report without a checkpoint
+    assert train.reports == [(False, name), (True, name), (False, None)]
+
+
 # ---------------------------------------------------------------- a worker's error
 
 class FakeRayRuntime:
     """What worker_main needs of RayRuntime, without Ray (rank 1 of 2 on the CPU)."""
 
-    def __init__(self, use_gpu, storage, run, upload_mode):
+    def __init__(self, storage, run, upload_mode):
         self.storage, self.run = storage, run
-        self.rank, self.world_size, self.local_rank = 1, 2, 1
+        self.rank, self.world_size = 1, 2
         self.device = torch.device("cpu")
 
     def prepare_model(self, model, bucket_cap_mb=25):

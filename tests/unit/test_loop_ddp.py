@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified
+from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified, verify
 from ray_app.config import load_config
 from ray_app.loop import (
     MetricsSink,
@@ -148,6 +148,7 @@ class FakeRuntime:
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
         self.crash_after = crash_after_checkpoint
         self.calls: list[tuple[str, int | None]] = []
+        self.checkpoint_names: list[tuple[str, str]] = []  # (dir_name, metrics["checkpoint"]) of each checkpoint report
         self.pool = ThreadPoolExecutor(max_workers=1) if async_upload else None
         self.uploads = []
 
@@ -161,6 +162,8 @@ class FakeRuntime:
     def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
         kind = "checkpoint" if dir_name else "metrics"
         self.calls.append((kind, metrics.get("global_step")))
+        if dir_name:
+            self.checkpoint_names.append((dir_name, metrics["checkpoint"]))
         checkpoints = sum(1 for k, _ in self.calls if k == "checkpoint")
         if self.pool is not None and kind == "checkpoint" and self.crash_after is not None \
                 and checkpoints == self.crash_after + 1:
@@ -248,7 +251,8 @@ def _fit(rank: int, world: int, cfg, crash_after=None):
         rt.drain()  # Ray Train waits for pending uploads when the train function returns
     except SimulatedCrash:
         summary = None
-    return {"summary": summary, "calls": rt.calls, "resumed_from_step": trainer.resumed_from_step,
+    return {"summary": summary, "calls": rt.calls, "checkpoint_names": rt.checkpoint_names,
+            "resumed_from_step": trainer.resumed_from_step,
             "params": {k: v.clone() for k, v in trainer.module.state_dict().items()},
             "progress": metrics.progress, "evals": metrics.evals}
 
@@ -483,6 +487,18 @@ def test_every_rank_reports_the_same_number_of_times(trainer_runs):
     for name in INTERRUPTED:
         for phase in ("crashed", "resumed"):
             assert ranks[0][name][phase]["calls"] == ranks[1][name][phase]["calls"]
+
+
+def test_every_rank_reports_the_writers_checkpoint_directory(trainer_runs):
+    """Ray Train takes one checkpoint per report from all ranks: each rank names the directory rank 0 writes."""
+    ranks, storage = trainer_runs
+    for name in INTERRUPTED:
+        for phase in ("crashed", "resumed"):
+            names = ranks[0][name][phase]["checkpoint_names"]
+            assert names and names == ranks[1][name][phase]["checkpoint_names"], (name, phase)
+            assert all(uri == storage.uri(name, d) for d, uri in names)
+        for d, _ in ranks[0][name]["resumed"]["checkpoint_names"]:  # every one of them uploaded and committed
+            assert verify(storage, f"{name}/{d}").ok, (name, d)
 
 
 @pytest.mark.parametrize("name", list(INTERRUPTED))

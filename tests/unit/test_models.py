@@ -50,7 +50,7 @@ def test_same_seed_same_init():
 
 
 def test_model_args_reach_the_builtin_and_info_fills_the_rest():
-    """``--set model.args.width=8`` is DigitsCNN(width=8); channels/num_classes/image_size come from info."""
+    """``--set model.args.width=8`` is DigitsCNN(width=8); channels/num_classes come from info."""
     model = build_model("digits_cnn", DIGITS, "model.args.width=8", "model.args.dropout=0.5")
     assert isinstance(model, DigitsCNN)
     assert model.features[0].out_channels == 8 and model.features[2].out_channels == 16
@@ -67,7 +67,7 @@ def test_model_args_reach_the_builtin_and_info_fills_the_rest():
 def test_builtin_model_functions_take_info_by_name():
     assert models.mlp(channels=1, image_size=8, num_classes=4)(torch.randn(3, 1, 8, 8)).shape == (3, 4)
     assert models.wide_mlp(channels=1, image_size=8, num_classes=4)(torch.randn(3, 1, 8, 8)).shape == (3, 4)
-    assert DigitsCNN(channels=3, num_classes=5, image_size=16, width=4)(torch.randn(2, 3, 16, 16)).shape == (2, 5)
+    assert DigitsCNN(channels=3, num_classes=5, width=4)(torch.randn(2, 3, 16, 16)).shape == (2, 5)
 
 
 def test_resnet18_from_torchvision_with_num_classes():

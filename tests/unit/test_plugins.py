@@ -143,7 +143,7 @@ def test_attribute_that_is_not_callable(plug):
 def test_unknown_argument_names_the_arg_and_lists_what_it_takes(plug):
     msg = config_error("model.args.widht=3")
     assert msg.startswith("config key model.args.widht: digits_cnn takes no argument 'widht'")
-    assert msg.endswith("it takes channels, num_classes, image_size, width, dropout")
+    assert msg.endswith("it takes channels, num_classes, width, dropout")
     name = plug(MODEL)
     msg = config_error(f"model.name={name}:Net", "model.args.hiden=3")
     assert msg.startswith("config key model.args.hiden:") and "num_classes, hidden, channels, image_size" in msg

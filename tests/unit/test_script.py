@@ -222,7 +222,7 @@ def test_the_user_frames_are_the_scripts_folder_unless_it_holds_the_environment(
 class FakeRuntime:
     """What run_in_worker needs of launch.RayRuntime: rank 0 of 1, reports recorded."""
 
-    def __init__(self, use_gpu, storage, run, upload_mode):
+    def __init__(self, storage, run, upload_mode):
         self.storage, self.run, self.rank, self.world_size = storage, run, 0, 1
         self.reports = []
 
@@ -303,7 +303,7 @@ def test_a_script_not_on_the_workers_node_is_bad_input(script_worker):
 @pytest.fixture
 def session(tmp_path, saved_process_state):
     """A rank-0, one-rank session on a local folder; its reports are recorded."""
-    runtime = FakeRuntime(False, LocalStorage(str(tmp_path / "runs")), "s", "sync")
+    runtime = FakeRuntime(LocalStorage(str(tmp_path / "runs")), "s", "sync")
     kit._SESSION = kit._Session(runtime.storage, "s", 0, 1, runtime.report)
     yield kit._SESSION, runtime
     kit._SESSION = None
