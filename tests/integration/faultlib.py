@@ -73,6 +73,21 @@ class Run:
     def first(self, pattern: str) -> float | None:
         return next((t for t, line in self.lines if re.search(pattern, line)), None)
 
+    def logged_steps(self) -> list[int]:
+        """The global steps of the progress lines printed so far."""
+        return [int(m) for m in re.findall(r"epoch \d+ step (\d+)/", self.text)]
+
+    def wait_for_step(self, step: int, timeout: float = 300) -> list[int]:
+        """Until a progress line at ``step`` or later (or the driver ends); the steps logged by then."""
+        deadline = time.monotonic() + timeout
+        logged: list[int] = []
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            logged = self.logged_steps()
+            if logged and logged[-1] >= step:
+                break
+            time.sleep(0.05)
+        return logged
+
     def workers(self) -> list[psutil.Process]:
         return train_workers(self.proc.pid)
 

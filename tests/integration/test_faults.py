@@ -81,14 +81,8 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
 def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_step_is_lost(reference, tmp_path):
     run = Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=term", *WORKLOAD,
                "--set", "failure.max_failures=0"])  # only epoch checkpoints: the one at the SIGTERM is its own
-    logged = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and run.proc.poll() is None:
-            logged = [int(m) for m in re.findall(r"epoch \d+ step (\d+)/", run.text)]
-            if logged and logged[-1] >= STEPS_PER_EPOCH + 8:  # mid-way through the second epoch
-                break
-            time.sleep(0.05)
+        logged = run.wait_for_step(STEPS_PER_EPOCH + 8)  # mid-way through the second epoch
         workers = run.workers()
         assert len(workers) == 2 and run.proc.poll() is None, (workers, run.text[-3000:])
         workers[0].send_signal(signal.SIGTERM)
@@ -118,14 +112,8 @@ def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_lo
     driver exits 143 with one line; the same command again resumes there and ends bit-identical."""
     args = ["--set", f"run.storage={tmp_path}", "--set", "run.name=stop", *WORKLOAD]
     run = Run(args)
-    logged = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and run.proc.poll() is None:
-            logged = [int(m) for m in re.findall(r"epoch \d+ step (\d+)/", run.text)]
-            if logged and logged[-1] >= STEPS_PER_EPOCH + 8:  # mid-way through the second epoch
-                break
-            time.sleep(0.05)
+        logged = run.wait_for_step(STEPS_PER_EPOCH + 8)  # mid-way through the second epoch
         assert run.proc.poll() is None, run.text[-3000:]
         run.proc.send_signal(signal.SIGTERM)  # the driver only, as Ray's job supervisor does
         signalled_at = time.monotonic()
