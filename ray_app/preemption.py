@@ -6,7 +6,7 @@ grace period) or Ray's drain notice for the worker's node (``ray drain-node``, t
 ``watch`` polls every 2 s. Either sets this process's ``NOTICE`` (kind ``PREEMPT``). The driver's
 own SIGTERM (``ray job stop``, ``docker stop`` of the driver's container) is a request to stop
 (kind ``STOP``): ``stop_on_sigterm`` writes it into Ray's key-value store under the job's id, and
-``watch`` polls that too. The training loop's ``Agreement`` carries one flag per optimizer step on an all-reduce
+``watch`` reads that key every 0.5 s. The training loop's ``Agreement`` carries one flag per optimizer step on an all-reduce
 (MAX) that is started after a step and read after the next, so it overlaps a whole step of work and
 every rank reads the same answer at the same step (the highest kind any rank posted). When it
 says yes, the loop checkpoints there, waits until the checkpoint is committed, and every rank
@@ -64,13 +64,15 @@ def _on_sigterm(signum, frame) -> None:
         signal.raise_signal(signal.SIGTERM)
 
 
-def install() -> None:
+def install() -> threading.Thread:
     """In the worker process's main thread (Python runs signal handlers there): replaces Ray's
-    exit-on-SIGTERM with the notice, and starts the drain watch."""
+    exit-on-SIGTERM with the notice, and starts (and returns) the thread that watches Ray."""
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     if previous is not _on_sigterm:
         _RAYS_HANDLER[:] = [previous]
-    threading.Thread(target=watch, name="ray-app-notice-watch", daemon=True).start()
+    watcher = threading.Thread(target=watch, name="ray-app-notice-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def stop_key(job_id: str) -> bytes:
@@ -78,23 +80,28 @@ def stop_key(job_id: str) -> bytes:
     return f"ray_app:stop:{job_id}".encode()
 
 
-def watch(interval_s: float = 2.0) -> None:
-    """Poll Ray (GCS) for a drain notice of this worker's node and for the driver's stop request; stop
-    quietly where Ray cannot answer."""
+def watch(interval_s: float = 0.5, drain_every: int = 4) -> None:
+    """Poll Ray (GCS) for the driver's stop request (every ``interval_s``: one key read) and for a drain
+    notice of this worker's node (every ``drain_every`` polls: a list of nodes); stop quietly where Ray
+    is not initialized in this process or cannot answer. Never starts Ray."""
     try:
         import ray
         from ray._private.state import state
         from ray.experimental import internal_kv
 
+        if not ray.is_initialized():
+            return
         ctx = ray.get_runtime_context()
         node, key = ctx.get_node_id(), stop_key(ctx.get_job_id())
+        polls = 0
         while not NOTICE.is_set():
             if internal_kv._internal_kv_get(key) is not None:
                 notify("the driver was told to stop", STOP)
                 return
-            if node in (state.get_draining_nodes() or {}):
+            if polls % drain_every == 0 and node in (state.get_draining_nodes() or {}):
                 notify("Ray's drain notice for this node")
                 return
+            polls += 1
             time.sleep(interval_s)
     except Exception:  # internal APIs of Ray: their absence must never stop training
         return

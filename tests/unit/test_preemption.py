@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import ray
+
 from ray_app import preemption
 
 
@@ -18,7 +20,9 @@ def test_sigterm_is_a_notice_only_while_training_and_a_second_one_exits():
     seen = []
     before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("ray's exit"))
     try:
-        preemption.install()  # outside Ray the drain watch stops at once
+        watcher = preemption.install()
+        watcher.join(timeout=5)  # outside Ray the watch ends at once, and starts no Ray of its own
+        assert not watcher.is_alive() and not ray.is_initialized()
         deliver()  # start-up or teardown: Ray's handler, as without the kit
         assert seen == ["ray's exit"] and not preemption.NOTICE.is_set()
         preemption.TRAINING.set()
