@@ -30,30 +30,36 @@ image-offline: ## Build $(IMAGE) without a registry: debootstrap base + local wh
 .ray-token .minio-secret:
 	@umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > $@ && echo "wrote $@ (kept private, git-ignored)"
 
-.PHONY: up
-up: .ray-token .minio-secret ## Start the cluster (RAY_WORKERS=2); dashboard http://127.0.0.1:8265
+.PHONY: compose-up
+compose-up: .ray-token .minio-secret ## Start the cluster of containers (RAY_WORKERS=2); dashboard http://127.0.0.1:8265
 	$(COMPOSE) up -d --scale worker=$(RAY_WORKERS)
 	@echo "Ray dashboard http://127.0.0.1:8265  Prometheus http://127.0.0.1:9090  MinIO http://127.0.0.1:9001"
-	@echo "next: make submit"
+	@echo "next: make compose-submit"
 
-.PHONY: submit
-submit: venv .ray-token ## Train $(CLUSTER_CONFIG) on the cluster (ray job submit); ARGS="--set k=v"
+.PHONY: compose-submit
+compose-submit: venv .ray-token ## Train $(CLUSTER_CONFIG) on the cluster of containers (ray job submit); ARGS="--set k=v"
 	RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$$(cat .ray-token)" $(VENV)/bin/ray job submit \
 	  --address $(DASHBOARD) --working-dir . \
 	  --runtime-env-json '{"excludes": [".ray-token", ".minio-secret", ".venv", "runs", "build"]}' \
 	  -- ray-app train --config $(CLUSTER_CONFIG) $(ARGS)
 
-.PHONY: logs
-logs: ## Follow the cluster's container logs
+.PHONY: compose-logs
+compose-logs: ## Follow the logs of the cluster's containers
 	$(COMPOSE) logs -f --tail 100
 
-.PHONY: down
-down: ## Stop the cluster (checkpoints stay in the minio-data volume)
+.PHONY: compose-down
+compose-down: ## Stop the cluster of containers (checkpoints stay in the minio-data volume)
 	$(COMPOSE) down
 
-.PHONY: down-volumes
-down-volumes: ## Stop the cluster and delete its volumes (checkpoints, metrics)
+.PHONY: compose-down-volumes
+compose-down-volumes: ## Stop the cluster of containers and delete its volumes (checkpoints, metrics)
 	$(COMPOSE) down --volumes
+
+# Short aliases, as the quick start names them (`make up && make submit`), and `make down`.
+.PHONY: up submit down
+up: compose-up ## alias of compose-up
+submit: compose-submit ## alias of compose-submit
+down: compose-down ## alias of compose-down
 
 .PHONY: test-e2e
 test-e2e: venv ## Container e2e tests (builds the image offline first; needs Docker)

@@ -1,17 +1,19 @@
 """The per-worker DDP loop: train epoch, global loss, exact evaluation, for any task.
 
-It reads like the practices it implements:
+It reads like the practices it implements (the one list of them; the README
+links here, and the code marks each as ``practice N``):
 
 1. every rank starts from identical parameters (seeded init, DDP's broadcast,
    and a check that they really are equal);
 2. a DistributedSampler splits the data, ``set_epoch`` every epoch;
-3. DDP averages gradients with its bucketed all-reduce during backward
+3. DDP averages gradients with its bucketed all-reduce, overlapped with backward
    (skipped with ``no_sync`` on non-final gradient-accumulation micro-steps);
-4. the logged loss is the sample-weighted global mean over ranks;
-5. evaluation gathers every rank's per-sample values by the sampler's indices and
-   drops the padded duplicates, so each metric equals a single-process evaluation;
+4. the logged loss is the sample-weighted global mean over ranks (one ``all_reduce``);
+5. evaluation gathers every rank's per-sample values by the sampler's indices
+   (``all_gather``) and drops the padded duplicates, so each metric equals a
+   single-process evaluation exactly;
 6. rank 0 alone logs progress, writes checkpoints and serves metrics (every rank prints one
-   line at the start: where it runs).
+   line at the start: its host and device).
 
 What a batch means, the loss and the metrics come from the task (``ray_app.tasks``);
 the data, model and task are built by :func:`build_parts` from the config's plug-ins.

@@ -9,10 +9,13 @@
 #   4. k8s/admission (cluster-scoped: the ServiceAccount may change no pod
 #      but for the metrics label), then the manifests; then k8s/monitoring in
 #      the same namespace when the prometheus-operator CRDs exist
+# K8S_TREE is the folder these are rendered from: k8s/ by default; `make
+# deploy` passes build/k8s-tree, k8s/ with the files made from configs/ and
+# monitoring/ fresh (k8s/scripts/sync.sh).
 set -euo pipefail
 
 manifests=${1:?usage: deploy.sh MANIFESTS_FILE}
-: "${K8S_NAMESPACE:=ray-app}" "${KUBECTL:=kubectl}"
+: "${K8S_NAMESPACE:=ray-app}" "${KUBECTL:=kubectl}" "${K8S_TREE:=k8s}"
 cd "$(dirname "$0")/../.."  # the repository root
 RAYJOB=ray-app-train
 AUTH_SECRET=ray-app-auth-token
@@ -31,7 +34,7 @@ if [ "$rendered_ns" != "$K8S_NAMESPACE" ]; then
        "render and deploy with the same K8S_NAMESPACE (make deploy K8S_NAMESPACE=...)" >&2
   exit 2
 fi
-KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/namespace build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
+KUBECTL="$KUBECTL" k8s/scripts/render.sh "$K8S_TREE/namespace" build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 
 if grep -q "secretName: $AUTH_SECRET" "$manifests" &&
    ! $KUBECTL -n "$K8S_NAMESPACE" get secret "$AUTH_SECRET" >/dev/null 2>&1; then
@@ -48,11 +51,11 @@ if $KUBECTL -n "$K8S_NAMESPACE" get rayjob "$RAYJOB" >/dev/null 2>&1; then
        "'make undeploy deploy' starts a new attempt (the same run.name resumes from S3)"
 fi
 
-KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/admission build/k8s/admission "" "" | $KUBECTL apply -f -
+KUBECTL="$KUBECTL" k8s/scripts/render.sh "$K8S_TREE/admission" build/k8s/admission "" "" | $KUBECTL apply -f -
 $KUBECTL apply -f "$manifests"
 
 if $KUBECTL get crd podmonitors.monitoring.coreos.com prometheusrules.monitoring.coreos.com >/dev/null 2>&1; then
-  KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/monitoring build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
+  KUBECTL="$KUBECTL" k8s/scripts/render.sh "$K8S_TREE/monitoring" build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 else
   echo "note: no prometheus-operator CRDs: PodMonitors, rules and dashboard (k8s/monitoring) skipped"
 fi

@@ -9,10 +9,12 @@
 #   5. with KIND_MONITORING=1: kube-prometheus-stack (pinned), then k8s/monitoring
 #      in K8S_NAMESPACE
 # Idempotent: run it again after `make image` to reload the image.
+# K8S_TREE is the folder the manifests are rendered from: k8s/ by default;
+# `make kind-up` passes build/k8s-tree (k8s/scripts/sync.sh).
 set -euo pipefail
 
 : "${KIND_CLUSTER:=ray-app}" "${IMAGE:=ray-app:0.1.0}" "${KUBERAY_VERSION:=1.7.0}"
-: "${KUBE_PROMETHEUS_STACK_VERSION:=79.12.0}" "${KIND_MONITORING:=1}" "${K8S_NAMESPACE:=ray-app}"
+: "${KUBE_PROMETHEUS_STACK_VERSION:=79.12.0}" "${KIND_MONITORING:=1}" "${K8S_NAMESPACE:=ray-app}" "${K8S_TREE:=k8s}"
 KUBECTL="kubectl --context kind-${KIND_CLUSTER}"
 cd "$(dirname "$0")/../.."  # the repository root
 
@@ -45,7 +47,7 @@ helm upgrade --install kuberay-operator kuberay/kuberay-operator --skip-crds \
 
 echo "==> MinIO (S3 for checkpoints) and the bucket ray-app"
 $KUBECTL apply -f k8s/kind/minio/namespace.yaml
-KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/namespace build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
+KUBECTL="$KUBECTL" k8s/scripts/render.sh "$K8S_TREE/namespace" build/k8s/namespace "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 secrets_dir=$(mktemp -d)
 trap 'rm -rf "$secrets_dir"' EXIT
 umask 077
@@ -65,7 +67,7 @@ fi
 # The bucket Job's pod spec is immutable: replace it on re-runs. It runs the
 # image just loaded (IMAGE), not the tag k8s/kind/minio names.
 $KUBECTL -n minio delete job create-bucket --ignore-not-found >/dev/null
-KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/kind/minio build/k8s/kind-minio "$IMAGE" "" | $KUBECTL apply -f -
+KUBECTL="$KUBECTL" k8s/scripts/render.sh "$K8S_TREE/kind/minio" build/k8s/kind-minio "$IMAGE" "" | $KUBECTL apply -f -
 $KUBECTL -n minio rollout status deployment/minio --timeout=180s
 $KUBECTL -n minio wait --for=condition=complete job/create-bucket --timeout=180s
 
@@ -82,7 +84,7 @@ if [ "$KIND_MONITORING" = "1" ]; then
     --set prometheus.prometheusSpec.serviceMonitorSelectorNilUsesHelmValues=false \
     --set prometheus.prometheusSpec.ruleSelectorNilUsesHelmValues=false \
     --set grafana.sidecar.dashboards.searchNamespace=ALL
-  KUBECTL="$KUBECTL" k8s/scripts/render.sh k8s/monitoring build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
+  KUBECTL="$KUBECTL" k8s/scripts/render.sh "$K8S_TREE/monitoring" build/k8s/monitoring "" "$K8S_NAMESPACE" | $KUBECTL apply -f -
 fi
 
 deploy_args=""

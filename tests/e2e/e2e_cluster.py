@@ -41,7 +41,7 @@ COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 PROMETHEUS_CONFIG = REPO / "monitoring" / "prometheus.yml"
 LOG_DIR = REPO / "build" / "e2e-logs"
 BUCKET = "ray-app"
-# Kept out of `ray job submit --working-dir .` uploads (as `make submit` does).
+# Kept out of `ray job submit --working-dir .` uploads (as `make compose-submit` does).
 SUBMIT_EXCLUDES = [".ray-token", ".minio-secret", ".venv", "runs", "build"]
 
 
@@ -361,7 +361,7 @@ class ContainerCluster:
         if spec.memory:
             args += ["--memory", spec.memory]
         if publish_dashboard:
-            args += ["-p", "127.0.0.1::8265"]  # a free loopback port: a user's `make up` may hold 8265
+            args += ["-p", "127.0.0.1::8265"]  # a free loopback port: a user's `make compose-up` may hold 8265
         for path in spec.container_paths:
             if path == spec.environment.get("RAY_APP_METRICS_SD_DIR"):  # rank 0 writes its target here
                 args += ["-v", f"{self.targets_dir}:{path}"]
@@ -397,7 +397,7 @@ class ContainerCluster:
     def container_by_ip(self, ip: str) -> str:
         return next(c for c in [self.head, *self.workers] if self.ip_of(c) == ip)
 
-    # -- jobs (the .venv's ray CLI, as `make submit`)
+    # -- jobs (the .venv's ray CLI, as `make compose-submit`)
     @property
     def address(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
@@ -421,7 +421,7 @@ class ContainerCluster:
                timeout: float = 600, config: str = "configs/cluster.yaml", working_dir: bool | Path = True,
                command: str = "train", **env_kw) -> subprocess.CompletedProcess:
         """`ray job submit ... -- ray-app COMMAND --config CONFIG ...`; with ``working_dir`` True the
-        repository is uploaded (as `make submit`), with a path that folder, without it the job runs only
+        repository is uploaded (as `make compose-submit`), with a path that folder, without it the job runs only
         what the image holds."""
         args = ["job", "submit", "--address", self.address, "--submission-id", submission_id]
         if working_dir:

@@ -69,7 +69,7 @@ def test_image_is_the_one_make_image_builds():
 def test_make_render_sets_the_image_given_on_the_command_line():
     if not shutil.which("make"):
         pytest.skip("make not installed")
-    cmd = ["make", "-s", "--no-print-directory", "-C", str(REPO), "-o", "k8s-sync", "render", "OVERLAY=gpu",
+    cmd = ["make", "-s", "--no-print-directory", "-C", str(REPO), "render", "OVERLAY=gpu",
            "IMAGE=registry.example.com:5000/team/ray-app:0.1.0-gpu"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=make_env())
     assert out.returncode == 0, out.stderr
@@ -320,7 +320,7 @@ def test_make_targets_the_docs_name_exist():
     targets = {t for group in named for t in group.split() if "=" not in t and not t.startswith("-")}
     assert {"kind-up", "deploy", "status", "k8s-logs", "kind-down", "render"} <= targets
     for target in sorted(targets):
-        out = subprocess.run(["make", "-n", "-C", str(REPO), "-o", "k8s-sync", target],
+        out = subprocess.run(["make", "-n", "-C", str(REPO), target],
                              capture_output=True, text=True, timeout=60, env=make_env())
         assert out.returncode == 0 and "No rule to make target" not in out.stderr, f"make {target}: {out.stderr}"
 

@@ -198,7 +198,7 @@ def test_kind_up_runs_the_image_it_loaded_in_every_pod(fakes):
 
 
 def test_make_kind_up_passes_the_image_and_the_namespace_to_the_script():
-    out = subprocess.run(["make", "-n", "-C", str(REPO), "-o", "k8s-sync", "kind-up", f"IMAGE={DEV_IMAGE}", f"K8S_NAMESPACE={OTHER_NS}"],
+    out = subprocess.run(["make", "-n", "-C", str(REPO), "kind-up", f"IMAGE={DEV_IMAGE}", f"K8S_NAMESPACE={OTHER_NS}"],
                          capture_output=True, text=True, timeout=30, env=make_env())
     assert out.returncode == 0, out.stderr
     assert f"IMAGE={DEV_IMAGE}" in out.stdout and f"K8S_NAMESPACE={OTHER_NS}" in out.stdout

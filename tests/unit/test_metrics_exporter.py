@@ -325,35 +325,7 @@ def test_dashboard_covers_the_contract():
     assert sorted(set(METRICS) - used - base - {b + "_total" for b in base} - legacy) == []
 
 
-def doc_table(path: Path, heading: str) -> list[list[str]]:
-    """The cells of each row of the table under ``heading`` whose first cell names a ray_app_ metric."""
-    section = path.read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
-    return [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in section.splitlines() if line.startswith("| `ray_app_")]
-
-
-def test_readme_metrics_table_is_the_contract():
-    """README's "## Metrics" table lists exactly METRICS and METRIC_LABELS: names, types, labels, help text.
-    A row for a metric the code lacks fails, so does a metric without a row."""
-    rows = doc_table(MONITORING.parent / "README.md", "## Metrics")
-    documented = {name.strip("`"): (kind, () if labels == "-" else tuple(labels.split(", ")), help_text)
-                  for name, kind, labels, help_text in rows}
-    code = {name: (kind, METRIC_LABELS.get(name, ()), help_text) for name, (kind, help_text) in METRICS.items()}
-    assert sorted(documented.keys() - code.keys()) == [], "README lists metrics the exporter does not have"
-    assert sorted(code.keys() - documented.keys()) == [], "README lacks metrics"
-    for name in code:
-        assert documented[name] == code[name], name
-    assert len(rows) == len(METRICS)
-
-
-def test_docs_metrics_table_names_every_metric_with_its_labels():
-    """docs/metrics.md writes ``name{label,...}``: the same names, types and labels as the code."""
-    rows = doc_table(MONITORING.parent / "docs" / "metrics.md", "## Metrics")
-    documented = {}
-    for cell, kind, _meaning in rows:
-        name, _, labels = cell.strip("`").rstrip("}").partition("{")
-        documented[name] = (kind, tuple(labels.split(",")) if labels else ())
-    assert documented == {name: (kind, METRIC_LABELS.get(name, ())) for name, (kind, _) in METRICS.items()}
+# The README and docs/metrics.md tables are checked against METRICS in test_docs_metrics.py.
 
 
 def contract_name(sample: str) -> str:
