@@ -1,6 +1,7 @@
 """The kit side by side with bare torchrun: `make bench` (full) and `make bench-smoke` (CI).
 
     python bench/run.py                 # every case, 3 interleaved rounds -> bench/RESULTS.md, bench/results.png
+                                        #   (every run's figures: build/bench/results.json)
     python bench/run.py --smoke         # every case once at tiny size; checks the outputs are well-formed
     python bench/run.py --cases a,c --rounds 5
 
@@ -31,6 +32,16 @@ from bench import measure, parse, report  # noqa: E402
 from bench.measure import Spec  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+
+
+def results_json_path(out: Path) -> Path:
+    """Where results.json goes: beside RESULTS.md, except in the source tree (bench/, bench/gpu), whose
+    figures go under build/ instead (only RESULTS.md and the chart are tracked)."""
+    out = out.resolve()
+    if out == BENCH or BENCH in out.parents:
+        return REPO / "build" / out.relative_to(REPO) / "results.json"
+    return out / "results.json"
 
 # ---------------------------------------------------------------- workloads (--set values, kit and twin alike)
 
@@ -215,12 +226,16 @@ class Runner:
         return todo
 
     def load(self, runs: list[dict]) -> None:
-        """Results saved in results.json, put back where the schedule expects them (--report-only)."""
+        """Results saved in results.json, put back where the schedule expects them (--report-only, --merge).
+
+        A run made now stays: a process two cases share (case (p)'s "a on" is case (a)'s kit run) keeps the
+        figures of the case re-run, not those of the earlier bench.
+        """
         by_label = {r["label"]: r for r in runs}
         for rnd in range(self.rounds):
             for spec, label in self.schedule(rnd).items():
                 if label in by_label:
-                    self.results[(spec, rnd)] = by_label[label]
+                    self.results.setdefault((spec, rnd), by_label[label])
 
     def run_all(self) -> None:
         t0 = time.time()
@@ -505,9 +520,11 @@ def problems(r: Runner, rows: list[dict]) -> list[str]:
 def merge(runner: Runner, cases: list[str], old: dict, machine: dict) -> list[str]:
     """Add an earlier bench's runs of the cases not re-run now; returns every case the report covers."""
     keep = [r for r in old["runs"] if r["label"].split("/")[0] not in cases]
+    if not keep:
+        return runner.cases
     old_cases = {r["label"].split("/")[0] for r in keep}
     runner.cases = [c for c in runner.plan.specs if c in old_cases or c in cases]
-    runner.rounds = max(runner.rounds, *(int(r["label"].rsplit(" ", 1)[1]) for r in keep)) if keep else runner.rounds
+    runner.rounds = max(runner.rounds, *(int(r["label"].rsplit(" ", 1)[1]) for r in keep))
     runner.load(keep)
     om = old["machine"]
     machine["merged"] = machine.get("merged", []) + om.get("merged", []) + [
@@ -524,7 +541,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0, help="seconds: start no round that would end after this")
     p.add_argument("--jobs", type=int, default=None, help="concurrent runs (smoke only; default 3 there, else 1)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
-    p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
+    p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png (and results.json, "
+                   "except in bench/ itself: build/bench/results.json)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="rewrite the report from a saved results.json")
     p.add_argument("--merge", metavar="RESULTS_JSON",
@@ -544,6 +562,10 @@ def main(argv=None) -> int:
     rounds = args.rounds or (1 if args.smoke else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    saved_json = results_json_path(out)
+    saved_json.parent.mkdir(parents=True, exist_ok=True)
+    # read before this run writes anything: --merge names the results.json this run will overwrite
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
     workdir = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))  # short: Ray's socket paths live under it
     machine = report.machine_details()
     t0 = time.time()
@@ -560,18 +582,16 @@ def main(argv=None) -> int:
         with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
                     jobs=(args.jobs or 3) if args.smoke else 1) as runner:
             runner.run_all()
-        # the figures first: a report that fails to render can be redone with --report-only
-        (out / "results.json").write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
-                                                      "cluster_start_s": runner.cluster_start_s}, default=str))
         machine["load_average_after"] = report.load_average()
         machine["kit_after"] = report.kit_version()  # the tree may change during a long bench
         machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
-    if args.merge:
-        cases = merge(runner, cases, json.loads(Path(args.merge).read_text()), machine)
-        (out / "results.json").write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
-                                                      "cluster_start_s": runner.cluster_start_s}, default=str))
+    if earlier is not None:
+        cases = merge(runner, cases, earlier, machine)
+    # the figures first: a report that fails to render can be redone with --report-only
+    saved_json.write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
+                                      "cluster_start_s": runner.cluster_start_s}, default=str))
     rows = [row for c in cases for row in rows_for(c, runner)]
-    report.write(out, rows, runner, machine, mode=mode)
+    report.write(out, rows, runner, machine, mode=mode, results_json=saved_json)
     bad = problems(runner, rows)
     for line in report.table_lines(rows):
         print(line)
@@ -582,7 +602,7 @@ def main(argv=None) -> int:
     if bad:
         print("[bench] malformed output:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 1
-    print(f"[bench] wrote {out / 'RESULTS.md'}, {out / 'results.png'}, {out / 'results.json'} "
+    print(f"[bench] wrote {out / 'RESULTS.md'}, {out / 'results.png'}, {saved_json} "
           f"in {machine['bench_minutes']} min", flush=True)
     return 0
 
