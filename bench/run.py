@@ -411,20 +411,8 @@ def rows_g(r: Runner) -> list[dict]:
     on, off = med(ons, "steady_sps"), med(offs, "steady_sps")
     q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(ons, offs))
     cost = 1 - q if q is not None else None
-    rows = [_row("g", "exporter on vs off, steady samples/s (ratio = cost, from the median per-round ratio)", on, off,
+    return [_row("g", "exporter on vs off, steady samples/s (ratio = cost, from the median per-round ratio)", on, off,
                  cost, "<= 0.01", cost is not None and cost <= 0.01, paired(ons, offs, "steady_sps") + " (on / off)")]
-    # the kit's own account (summary exporter_seconds): time in exporter calls on the training thread plus the
-    # CPU time of rendering scrapes, over rank 0's training time; an upper bound on what the exporter can cost
-    counted = [x["summary"] for x in ons if (x.get("summary") or {}).get("exporter_seconds") is not None]
-    share = parse.median(s["exporter_seconds"] / s["train_seconds"] for s in counted if s.get("train_seconds"))
-    if counted:
-        secs = parse.median(s["exporter_seconds"] for s in counted)
-        scrapes = parse.median(s.get("exporter_scrapes", 0) for s in counted)
-        train = parse.median(s["train_seconds"] for s in counted)
-        rows.append(_row("g", f"exporter's own time in the run (summary exporter_seconds, {len(counted)} runs, "
-                              f"median {scrapes:.0f} scrapes; ratio = share of training time)", secs, train, share,
-                         "<= 0.01", share is not None and share <= 0.01))
-    return rows
 
 
 def rows_gpu_a(r: Runner) -> list[dict]:

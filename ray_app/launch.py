@@ -543,8 +543,6 @@ def run_training(cfg: Config) -> dict:
         # this worker group's checkpoints and the time training waited for them
         "checkpoints_written": m.get("checkpoints_written"),
         "checkpoint_blocked_seconds": m.get("checkpoint_blocked_seconds"),
-        # what the metrics exporter itself cost (absent with metrics off): calls + scrape CPU, scrapes
-        **{k: m[k] for k in ("exporter_seconds", "exporter_scrapes") if k in m},
         # start-up timeline (unix seconds): driver start, Ray ready, worker entry, model ready, first step
         "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
                      **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},

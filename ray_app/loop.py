@@ -74,8 +74,6 @@ class MetricsSink(Protocol):
 
     def close(self) -> None: ...
 
-    def cost_summary(self) -> dict: ...
-
 
 # ---------------------------------------------------------------- small DDP pieces
 
@@ -446,7 +444,7 @@ class Trainer:
         self._final_checkpoint(summary)
         self._account(self.ckpt.settle())
         summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
-                       checkpoints_written=self.ckpt.written, **self.metrics.cost_summary())
+                       checkpoints_written=self.ckpt.written)
         self.metrics.close()
         return summary
 
