@@ -81,7 +81,7 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,s"
-VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0")
+VARIANT_NAMES = ("kit", "ray-poll", "nice0")
 
 
 class Plan:

@@ -232,7 +232,7 @@ def _quiet_ray_env() -> None:
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     # Ray Train's controller polls the worker group every 2 s by default; 0.5 s ends a finished run
-    # ~3 s sooner and notices a dead worker sooner (bench case v, "fast-poll")
+    # sooner and notices a dead worker sooner (bench case v, variant "ray-poll", measures the difference)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
@@ -321,8 +321,8 @@ def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
 
 
 # Ray Train V2 default controller callbacks the kit leaves out; each starts one more Ray actor (one more
-# Python process importing Ray) while the worker group starts, so on a 2-core machine each costs start-up
-# time (bench case v, variant "ray-defaults" puts them back: +3.1 s to the first step, cold, median of 3):
+# Python process importing Ray) while the worker group starts, so on a small machine each costs start-up
+# time:
 # - DatasetsCallback: a DatasetManager actor per run, for Ray Datasets passed to the trainer; the kit passes
 #   none (its loaders are plain torch DataLoaders), so it is dropped only when there are no datasets.
 # - PlacementGroupCleanerCallback: a detached actor per run that removes the worker group's placement group
