@@ -48,13 +48,13 @@ def results_json_path(out: Path) -> Path:
 _COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
 WORKLOADS = {
     "full": {
-        # ~25 s of training each on 2 cores
+        # cases (a), (b), (f), (g), (p), (s): long enough that the steady state outweighs the first steps
         "compute": (*_COMMON, "model.name=resnet18", "data.args.image_size=32", "data.args.num_samples=4096",
                     "data.batch_size=32", "train.epochs=2", "train.log_every_steps=5"),
         "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=32", "data.args.num_samples=1536",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5"),
-        # wide_mlp at 44x44: 36.7M parameters, model + SGD momentum = 294 MB per checkpoint
-        # an epoch is ~25 s of training here (64 steps)
+        # case (d): wide_mlp at 44x44 has 36.7M parameters, model + SGD momentum = 294 MB per checkpoint;
+        # two epochs of 64 steps
         "ckpt": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=44", "data.args.num_samples=4096",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5",
                  "checkpoint.keep=2"),
