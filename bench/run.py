@@ -176,6 +176,9 @@ class Runner:
         self.jobs = jobs  # > 1 only for the smoke: concurrent runs would spoil the figures
         self.ctx = measure.Context(workdir=workdir, log=log, timeout=300 if plan.smoke else 900)
         self.results: dict[tuple[Spec, int], dict] = {}
+        # --merge: case -> the earlier bench its runs come from (its own runs, its own rounds), so a
+        # process two cases share (case (p)'s "a on" is case (a)'s kit run) never mixes two benches
+        self.earlier: dict[str, Runner] = {}
         self.cluster_start_s: list[float] = []
 
     def needs(self, pred) -> bool:
@@ -226,16 +229,37 @@ class Runner:
         return todo
 
     def load(self, runs: list[dict]) -> None:
-        """Results saved in results.json, put back where the schedule expects them (--report-only, --merge).
-
-        A run made now stays: a process two cases share (case (p)'s "a on" is case (a)'s kit run) keeps the
-        figures of the case re-run, not those of the earlier bench.
-        """
+        """Results saved in results.json, put back where the schedule expects them (--report-only, --merge)."""
         by_label = {r["label"]: r for r in runs}
         for rnd in range(self.rounds):
             for spec, label in self.schedule(rnd).items():
                 if label in by_label:
-                    self.results.setdefault((spec, rnd), by_label[label])
+                    self.results[(spec, rnd)] = by_label[label]
+
+    @classmethod
+    def saved(cls, plan: Plan, runs: list[dict], workdir: Path) -> Runner:
+        """An earlier bench's runs, with the cases and rounds their labels name."""
+        named = {r["label"].split("/")[0] for r in runs}
+        rounds = max((int(r["label"].rsplit(" ", 1)[1]) for r in runs), default=1)
+        runner = cls(plan, [c for c in plan.specs if c in named], rounds, workdir)
+        runner.load(runs)
+        return runner
+
+    def all_runs(self) -> list[dict]:
+        """This bench's runs, then those of the earlier benches its merged cases come from."""
+        out = list(self.results.values())
+        for case, earlier in self.earlier.items():
+            out += [run for name in self.plan.specs[case] for run in earlier.runs(case, name)
+                    if not any(run is seen for seen in out)]
+        return out
+
+    def saved_earlier(self) -> list[dict]:
+        """What results.json keeps of the earlier benches: each one's runs and the cases taken from it."""
+        blocks: dict[int, dict] = {}
+        for case, earlier in self.earlier.items():
+            block = blocks.setdefault(id(earlier), {"cases": [], "runs": list(earlier.results.values())})
+            block["cases"].append(case)
+        return list(blocks.values())
 
     def run_all(self) -> None:
         t0 = time.time()
@@ -270,6 +294,8 @@ class Runner:
             self._cluster_down()  # an idle cluster would steal CPU from the other cases
 
     def runs(self, case: str, name: str) -> list[dict]:
+        if case in self.earlier:
+            return self.earlier[case].runs(case, name)
         spec = self.plan.specs[case][name]
         return [self.results[(spec, r)] for r in range(self.rounds) if (spec, r) in self.results]
 
@@ -505,19 +531,30 @@ def problems(r: Runner, rows: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
+def attach_earlier(runner: Runner, blocks: list[dict], wanted) -> None:
+    """The earlier benches saved in a results.json ("earlier"): each wanted case not yet attached
+    gets the runs of the bench it came from."""
+    for block in blocks:
+        earlier = Runner.saved(runner.plan, block["runs"], runner.ctx.workdir)
+        runner.earlier.update({c: earlier for c in block["cases"] if wanted(c) and c not in runner.earlier})
+    runner.rounds = max([runner.rounds, *(e.rounds for e in runner.earlier.values())])
+
+
 def merge(runner: Runner, cases: list[str], old: dict, machine: dict) -> list[str]:
-    """Add an earlier bench's runs of the cases not re-run now; returns every case the report covers."""
-    keep = [r for r in old["runs"] if r["label"].split("/")[0] not in cases]
-    if not keep:
+    """Add the cases not re-run now from an earlier bench (and from the benches it merged), each case with
+    the runs of the bench it was measured in; returns every case the report covers."""
+    mine = Runner.saved(runner.plan, old["runs"], runner.ctx.workdir)
+    kept = [c for c in mine.cases if c not in cases]
+    runner.earlier.update({c: mine for c in kept})
+    attach_earlier(runner, old.get("earlier", []), lambda c: c not in cases)  # what that bench had merged itself
+    if not runner.earlier:
         return runner.cases
-    old_cases = {r["label"].split("/")[0] for r in keep}
-    runner.cases = [c for c in runner.plan.specs if c in old_cases or c in cases]
-    runner.rounds = max(runner.rounds, *(int(r["label"].rsplit(" ", 1)[1]) for r in keep))
-    runner.load(keep)
+    runner.cases = [c for c in runner.plan.specs if c in runner.earlier or c in cases]
     om = old["machine"]
-    machine["merged"] = machine.get("merged", []) + om.get("merged", []) + [
-        f"cases {','.join(sorted(old_cases))} from the bench of {om['date']} (kit {om.get('kit', '?')}, "
+    machine["merged"] = machine.get("merged", []) + om.get("merged", []) + ([
+        f"cases {','.join(kept)} from the bench of {om['date']} (kit {om.get('kit', '?')}, "
         f"load before {om['load_average']}, {om.get('bench_minutes', '?')} min); this run: cases {','.join(cases)}"]
+        if kept else [])
     return runner.cases
 
 
@@ -562,8 +599,9 @@ def main(argv=None) -> int:
           f"scratch {workdir}, load average {machine['load_average']}", flush=True)
     if args.report_only:
         saved = json.loads(Path(args.report_only).read_text())
-        runner = Runner(plan, cases, rounds, workdir)
-        runner.load(saved["runs"])
+        runner = Runner.saved(plan, saved["runs"], workdir)  # labelled by the cases that bench ran
+        attach_earlier(runner, saved.get("earlier", []), lambda c: c in cases and c not in runner.cases)
+        runner.cases = [c for c in plan.specs if c in cases]
         runner.cluster_start_s = saved.get("cluster_start_s", [])
         machine = saved["machine"]
     else:
@@ -577,7 +615,8 @@ def main(argv=None) -> int:
         cases = merge(runner, cases, earlier, machine)
     # the figures first: a report that fails to render can be redone with --report-only
     saved_json.write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
-                                      "cluster_start_s": runner.cluster_start_s}, default=str))
+                                      "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s},
+                                     default=str))
     rows = [row for c in cases for row in rows_for(c, runner)]
     report.write(out, rows, runner, machine, mode=mode, results_json=saved_json)
     bad = problems(runner, rows)
