@@ -307,7 +307,7 @@ def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
     scheduler._last_lr = lrs
 
 
-# ---------------------------------------------------------------- timing for summaries and benchmarks
+# ---------------------------------------------------------------- timing for the summary
 
 STEADY_SKIP_STEPS = 5  # warm-up steps left out of the steady-state throughput
 
