@@ -43,6 +43,7 @@ def results_json_path(out: Path) -> Path:
         return REPO / "build" / out.relative_to(REPO) / "results.json"
     return out / "results.json"
 
+
 # ---------------------------------------------------------------- workloads (--set values, kit and twin alike)
 
 _COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
