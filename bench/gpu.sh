@@ -7,7 +7,7 @@
 # GPU's dense bf16 peak, 989 TFLOP/s for H100/H200). With >= 2 GPUs it adds the
 # DataParallel baseline. The measurements stop starting new rounds after BENCH_BUDGET_S.
 #
-#   bash bench/gpu.sh [OUT_DIR]        # default OUT_DIR: bench/gpu  (RESULTS.md, results.png, results.json)
+#   bash bench/gpu.sh [OUT_DIR]        # default OUT_DIR: bench/gpu  (RESULTS.md, results.png; results.json in build/bench/gpu)
 #
 # Self-contained on a fresh copy of the repository: creates .venv (pip install -e . plus
 # moto[server] for the S3 API server and matplotlib) when it is missing. Unknown GPU? Set

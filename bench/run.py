@@ -1,6 +1,7 @@
 """The kit side by side with bare torchrun: `make bench` (full) and `make bench-smoke` (CI).
 
     python bench/run.py                 # every case, 3 interleaved rounds -> bench/RESULTS.md, bench/results.png
+                                        #   (every run's figures: build/bench/results.json)
     python bench/run.py --smoke         # every case once at tiny size; checks the outputs are well-formed
     python bench/run.py --cases a,c --rounds 5
 
@@ -31,19 +32,30 @@ from bench import measure, parse, report  # noqa: E402
 from bench.measure import Spec  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+
+
+def results_json_path(out: Path) -> Path:
+    """Where results.json goes: beside RESULTS.md, except in the source tree (bench/, bench/gpu), whose
+    figures go under build/ instead (only RESULTS.md and the chart are tracked)."""
+    out = out.resolve()
+    if out == BENCH or BENCH in out.parents:
+        return REPO / "build" / out.relative_to(REPO) / "results.json"
+    return out / "results.json"
+
 
 # ---------------------------------------------------------------- workloads (--set values, kit and twin alike)
 
 _COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
 WORKLOADS = {
     "full": {
-        # ~25 s of training each on 2 cores
+        # cases (a), (b), (f), (g), (p), (s): long enough that the steady state outweighs the first steps
         "compute": (*_COMMON, "model.name=resnet18", "data.args.image_size=32", "data.args.num_samples=4096",
                     "data.batch_size=32", "train.epochs=2", "train.log_every_steps=5"),
         "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=32", "data.args.num_samples=1536",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5"),
-        # wide_mlp at 44x44: 36.7M parameters, model + SGD momentum = 294 MB per checkpoint
-        # an epoch is ~25 s of training here (64 steps)
+        # case (d): wide_mlp at 44x44 has 36.7M parameters, model + SGD momentum = 294 MB per checkpoint;
+        # two epochs of 64 steps
         "ckpt": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=44", "data.args.num_samples=4096",
                  "data.batch_size=32", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=5",
                  "checkpoint.keep=2"),
@@ -70,7 +82,7 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,s"
-VARIANT_NAMES = ("kit", "ray-defaults", "ray-poll", "nice0")
+VARIANT_NAMES = ("kit", "ray-poll", "nice0")
 
 
 class Plan:
@@ -165,6 +177,9 @@ class Runner:
         self.jobs = jobs  # > 1 only for the smoke: concurrent runs would spoil the figures
         self.ctx = measure.Context(workdir=workdir, log=log, timeout=300 if plan.smoke else 900)
         self.results: dict[tuple[Spec, int], dict] = {}
+        # --merge: case -> the earlier bench its runs come from (its own runs, its own rounds), so a
+        # process two cases share (case (p)'s "a on" is case (a)'s kit run) never mixes two benches
+        self.earlier: dict[str, Runner] = {}
         self.cluster_start_s: list[float] = []
 
     def needs(self, pred) -> bool:
@@ -215,12 +230,37 @@ class Runner:
         return todo
 
     def load(self, runs: list[dict]) -> None:
-        """Results saved in results.json, put back where the schedule expects them (--report-only)."""
+        """Results saved in results.json, put back where the schedule expects them (--report-only, --merge)."""
         by_label = {r["label"]: r for r in runs}
         for rnd in range(self.rounds):
             for spec, label in self.schedule(rnd).items():
                 if label in by_label:
                     self.results[(spec, rnd)] = by_label[label]
+
+    @classmethod
+    def saved(cls, plan: Plan, runs: list[dict], workdir: Path) -> Runner:
+        """An earlier bench's runs, with the cases and rounds their labels name."""
+        named = {r["label"].split("/")[0] for r in runs}
+        rounds = max((int(r["label"].rsplit(" ", 1)[1]) for r in runs), default=1)
+        runner = cls(plan, [c for c in plan.specs if c in named], rounds, workdir)
+        runner.load(runs)
+        return runner
+
+    def all_runs(self) -> list[dict]:
+        """This bench's runs, then those of the earlier benches its merged cases come from."""
+        out = list(self.results.values())
+        for case, earlier in self.earlier.items():
+            out += [run for name in self.plan.specs[case] for run in earlier.runs(case, name)
+                    if not any(run is seen for seen in out)]
+        return out
+
+    def saved_earlier(self) -> list[dict]:
+        """What results.json keeps of the earlier benches: each one's runs and the cases taken from it."""
+        blocks: dict[int, dict] = {}
+        for case, earlier in self.earlier.items():
+            block = blocks.setdefault(id(earlier), {"cases": [], "runs": list(earlier.results.values())})
+            block["cases"].append(case)
+        return list(blocks.values())
 
     def run_all(self) -> None:
         t0 = time.time()
@@ -255,6 +295,8 @@ class Runner:
             self._cluster_down()  # an idle cluster would steal CPU from the other cases
 
     def runs(self, case: str, name: str) -> list[dict]:
+        if case in self.earlier:
+            return self.earlier[case].runs(case, name)
         spec = self.plan.specs[case][name]
         return [self.results[(spec, r)] for r in range(self.rounds) if (spec, r) in self.results]
 
@@ -396,20 +438,8 @@ def rows_g(r: Runner) -> list[dict]:
     on, off = med(ons, "steady_sps"), med(offs, "steady_sps")
     q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(ons, offs))
     cost = 1 - q if q is not None else None
-    rows = [_row("g", "exporter on vs off, steady samples/s (ratio = cost, from the median per-round ratio)", on, off,
+    return [_row("g", "exporter on vs off, steady samples/s (ratio = cost, from the median per-round ratio)", on, off,
                  cost, "<= 0.01", cost is not None and cost <= 0.01, paired(ons, offs, "steady_sps") + " (on / off)")]
-    # the kit's own account (summary exporter_seconds): time in exporter calls on the training thread plus the
-    # CPU time of rendering scrapes, over rank 0's training time; an upper bound on what the exporter can cost
-    counted = [x["summary"] for x in ons if (x.get("summary") or {}).get("exporter_seconds") is not None]
-    share = parse.median(s["exporter_seconds"] / s["train_seconds"] for s in counted if s.get("train_seconds"))
-    if counted:
-        secs = parse.median(s["exporter_seconds"] for s in counted)
-        scrapes = parse.median(s.get("exporter_scrapes", 0) for s in counted)
-        train = parse.median(s["train_seconds"] for s in counted)
-        rows.append(_row("g", f"exporter's own time in the run (summary exporter_seconds, {len(counted)} runs, "
-                              f"median {scrapes:.0f} scrapes; ratio = share of training time)", secs, train, share,
-                         "<= 0.01", share is not None and share <= 0.01))
-    return rows
 
 
 def rows_gpu_a(r: Runner) -> list[dict]:
@@ -502,17 +532,30 @@ def problems(r: Runner, rows: list[dict]) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
+def attach_earlier(runner: Runner, blocks: list[dict], wanted) -> None:
+    """The earlier benches saved in a results.json ("earlier"): each wanted case not yet attached
+    gets the runs of the bench it came from."""
+    for block in blocks:
+        earlier = Runner.saved(runner.plan, block["runs"], runner.ctx.workdir)
+        runner.earlier.update({c: earlier for c in block["cases"] if wanted(c) and c not in runner.earlier})
+    runner.rounds = max([runner.rounds, *(e.rounds for e in runner.earlier.values())])
+
+
 def merge(runner: Runner, cases: list[str], old: dict, machine: dict) -> list[str]:
-    """Add an earlier bench's runs of the cases not re-run now; returns every case the report covers."""
-    keep = [r for r in old["runs"] if r["label"].split("/")[0] not in cases]
-    old_cases = {r["label"].split("/")[0] for r in keep}
-    runner.cases = [c for c in runner.plan.specs if c in old_cases or c in cases]
-    runner.rounds = max(runner.rounds, *(int(r["label"].rsplit(" ", 1)[1]) for r in keep)) if keep else runner.rounds
-    runner.load(keep)
+    """Add the cases not re-run now from an earlier bench (and from the benches it merged), each case with
+    the runs of the bench it was measured in; returns every case the report covers."""
+    mine = Runner.saved(runner.plan, old["runs"], runner.ctx.workdir)
+    kept = [c for c in mine.cases if c not in cases]
+    runner.earlier.update({c: mine for c in kept})
+    attach_earlier(runner, old.get("earlier", []), lambda c: c not in cases)  # what that bench had merged itself
+    if not runner.earlier:
+        return runner.cases
+    runner.cases = [c for c in runner.plan.specs if c in runner.earlier or c in cases]
     om = old["machine"]
-    machine["merged"] = machine.get("merged", []) + om.get("merged", []) + [
-        f"cases {','.join(sorted(old_cases))} from the bench of {om['date']} (kit {om.get('kit', '?')}, "
+    machine["merged"] = machine.get("merged", []) + om.get("merged", []) + ([
+        f"cases {','.join(kept)} from the bench of {om['date']} (kit {om.get('kit', '?')}, "
         f"load before {om['load_average']}, {om.get('bench_minutes', '?')} min); this run: cases {','.join(cases)}"]
+        if kept else [])
     return runner.cases
 
 
@@ -524,7 +567,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0, help="seconds: start no round that would end after this")
     p.add_argument("--jobs", type=int, default=None, help="concurrent runs (smoke only; default 3 there, else 1)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
-    p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png, results.json")
+    p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png (and results.json, "
+                   "except in bench/ itself: build/bench/results.json)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="rewrite the report from a saved results.json")
     p.add_argument("--merge", metavar="RESULTS_JSON",
@@ -544,6 +588,10 @@ def main(argv=None) -> int:
     rounds = args.rounds or (1 if args.smoke else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    saved_json = results_json_path(out)
+    saved_json.parent.mkdir(parents=True, exist_ok=True)
+    # read before this run writes anything: --merge names the results.json this run will overwrite
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
     workdir = Path(tempfile.mkdtemp(prefix="rb-", dir="/tmp"))  # short: Ray's socket paths live under it
     machine = report.machine_details()
     t0 = time.time()
@@ -552,26 +600,26 @@ def main(argv=None) -> int:
           f"scratch {workdir}, load average {machine['load_average']}", flush=True)
     if args.report_only:
         saved = json.loads(Path(args.report_only).read_text())
-        runner = Runner(plan, cases, rounds, workdir)
-        runner.load(saved["runs"])
+        runner = Runner.saved(plan, saved["runs"], workdir)  # labelled by the cases that bench ran
+        attach_earlier(runner, saved.get("earlier", []), lambda c: c in cases and c not in runner.cases)
+        runner.cases = [c for c in plan.specs if c in cases]
         runner.cluster_start_s = saved.get("cluster_start_s", [])
         machine = saved["machine"]
     else:
         with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
                     jobs=(args.jobs or 3) if args.smoke else 1) as runner:
             runner.run_all()
-        # the figures first: a report that fails to render can be redone with --report-only
-        (out / "results.json").write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
-                                                      "cluster_start_s": runner.cluster_start_s}, default=str))
         machine["load_average_after"] = report.load_average()
         machine["kit_after"] = report.kit_version()  # the tree may change during a long bench
         machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
-    if args.merge:
-        cases = merge(runner, cases, json.loads(Path(args.merge).read_text()), machine)
-        (out / "results.json").write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
-                                                      "cluster_start_s": runner.cluster_start_s}, default=str))
+    if earlier is not None:
+        cases = merge(runner, cases, earlier, machine)
+    # the figures first: a report that fails to render can be redone with --report-only
+    saved_json.write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
+                                      "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s},
+                                     default=str))
     rows = [row for c in cases for row in rows_for(c, runner)]
-    report.write(out, rows, runner, machine, mode=mode)
+    report.write(out, rows, runner, machine, mode=mode, results_json=saved_json)
     bad = problems(runner, rows)
     for line in report.table_lines(rows):
         print(line)
@@ -582,7 +630,7 @@ def main(argv=None) -> int:
     if bad:
         print("[bench] malformed output:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 1
-    print(f"[bench] wrote {out / 'RESULTS.md'}, {out / 'results.png'}, {out / 'results.json'} "
+    print(f"[bench] wrote {out / 'RESULTS.md'}, {out / 'results.png'}, {saved_json} "
           f"in {machine['bench_minutes']} min", flush=True)
     return 0
 

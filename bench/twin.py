@@ -1,14 +1,17 @@
-"""Bare-torchrun twin of ray_app's DDP loop: the same work, no Ray, no kit.
+"""Bare-torchrun twin of ray_app's DDP loop: the same work, no Ray, no kit Trainer.
 
     torchrun --standalone --nproc-per-node 2 bench/twin.py --config configs/local.yaml --set model.name=resnet18 ...
     python bench/twin.py --device cuda ...            # one process, no process group (bench/gpu.sh)
 
-It reads the same config (file + ``--set``) as ``ray-app train`` so the work is
-identical: model (``ray_app.plugins.build_model``), data
-(``ray_app.plugins.build_data``), seed, per-worker batch size, SGD with
-momentum, warmup + cosine LR schedule, log cadence (global-mean loss with one
-all_reduce every ``train.log_every_steps``), exact evaluation after every epoch
-and at the end (all_gather). Everything else is plain torch: DistributedSampler,
+It reads the same config (file + ``--set``) as ``ray-app train`` and takes the
+kit's pure pieces, so the work is identical: model and data
+(``ray_app.plugins.build_model`` / ``build_data``), seeding, the train sampler
+(``ray_app.loop.ResumableDistributedSampler``, DistributedSampler's order) and
+the optimizer with its warmup + cosine LR schedule
+(``ray_app.loop.build_optimizer``), per-worker batch size, log cadence
+(global-mean loss with one all_reduce every ``train.log_every_steps``), exact
+evaluation after every epoch and at the end (all_gather). The loop, the
+collectives and the checkpoints are its own, plain torch:
 DistributedDataParallel with its defaults, gloo on CPU. Kit-only keys
 (checkpoint.*, metrics.*, failure.*) are ignored; with ``--ckpt-dir`` it saves
 ``torch.save`` checkpoints and resumes from them (for the recovery case, under
@@ -29,7 +32,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
-import random  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -41,7 +43,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ray_app.config import load_config  # noqa: E402  (config parsing only: no Ray, no loop)
+from ray_app.config import load_config  # noqa: E402  (the kit's pure pieces: no Ray, no Trainer)
+from ray_app.loop import ResumableDistributedSampler, build_optimizer, seed_everything  # noqa: E402
 from ray_app.plugins import build_data, build_model  # noqa: E402
 
 T_IMPORTS = time.time()
@@ -59,33 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="save/resume torch.save checkpoints here")
     p.add_argument("--ckpt-every-steps", type=int, default=0, help="checkpoint cadence with --ckpt-dir")
     return p.parse_args(argv)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
-def lr_lambda(warmup_steps: int, total_steps: int):
-    def f(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return f
-
-
-class SkippingSampler(DistributedSampler):
-    """DistributedSampler that starts ``start`` samples into the epoch (resume mid-epoch)."""
-
-    start = 0
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
-
-    def __len__(self):
-        return max(self.num_samples - self.start, 0)
 
 
 class Steady:
@@ -148,7 +124,7 @@ class Twin:
         self.model = model
         self.stamps["model"] = time.time()
         seed_everything(cfg.run.seed * 1000 + self.rank)
-        self.sampler = SkippingSampler(train_set, self.world, self.rank, shuffle=True, seed=cfg.run.seed)
+        self.sampler = ResumableDistributedSampler(train_set, self.world, self.rank, shuffle=True, seed=cfg.run.seed)
         eval_sampler = DistributedSampler(eval_set, self.world, self.rank, shuffle=False)
         self.eval_indices = torch.tensor(list(iter(eval_sampler)))
         self.loader_gen = torch.Generator()
@@ -162,13 +138,7 @@ class Twin:
                                       generator=torch.Generator().manual_seed(cfg.run.seed))
         self.steps_per_epoch = math.ceil(self.sampler.num_samples / bs)
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
-        t = cfg.train
-        if t.optimizer == "sgd":
-            self.opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-        else:
-            self.opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        warmup = round(t.warmup_epochs * self.steps_per_epoch)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.total_steps))
+        self.opt, self.sched = build_optimizer(cfg, model, self.steps_per_epoch, self.total_steps)
         self.resume()
 
     def _ckpt_path(self) -> Path | None:
@@ -234,7 +204,7 @@ class Twin:
     def train_epoch(self) -> None:
         cfg = self.cfg
         self.sampler.set_epoch(self.epoch)  # a new order every epoch
-        self.sampler.start = self.batches_done * cfg.data.batch_size
+        self.sampler.set_start(self.batches_done * cfg.data.batch_size * self.world)  # samples of all ranks
         self.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + self.epoch)
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)

@@ -2,10 +2,10 @@
 
     python bench/variants.py VARIANT train [ray-app train arguments ...]
 
-Each variant sets environment variables (they reach every Ray process of a
-local cluster: the raylet inherits the driver's environment) and/or patches the
-driver before ``ray_app.cli.main`` runs. Nothing under ray_app/ changes; a
-variant that pays off is a suggestion for the kit, measured by case ``v`` of
+Each variant sets Ray's environment variables (they reach every Ray process of
+a local cluster: the raylet inherits the driver's environment) and/or wraps a
+public Ray call before ``ray_app.cli.main`` runs. Nothing of ray_app is patched;
+a variant that pays off is a suggestion for the kit, measured by case ``v`` of
 bench/run.py against the kit as it is.
 """
 
@@ -33,30 +33,15 @@ def _no_dashboard() -> None:
     ray.init = init
 
 
-def _ray_default_callbacks() -> None:
-    """The trainer with all of Ray Train's default controller callbacks (the kit leaves two out).
-
-    torch is imported where the kit imports it (building the trainer), not when the patch is applied.
-    """
-    import importlib
-
-    from ray_app import launch
-
-    launch.lean_trainer_class = lambda: importlib.import_module("ray.train.torch").TorchTrainer
-
-
-# name -> (environment, driver patch, what it changes)
+# name -> (environment, wrapper of a Ray call, what it changes)
 VARIANTS = {
     "kit": ({}, None, "the kit as it is"),
     "no-dashboard": ({}, _no_dashboard, "local Ray without the dashboard (include_dashboard=False)"),
     "no-watchers": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, None,
                     "Ray Train without its own metrics callbacks (RAY_TRAIN_METRICS_ENABLED=0) and without the "
-                    "preemption watcher (which the kit now switches off itself)"),
+                    "preemption watcher (which the kit switches off itself)"),
     "lean": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, _no_dashboard,
              "no-dashboard and no-watchers together"),
-    "ray-defaults": ({}, _ray_default_callbacks,
-                     "Ray Train's default callbacks, with the DatasetManager and PlacementGroupCleaner actors "
-                     "the kit leaves out (ray_app.launch.LEAN_DROPPED_CALLBACKS)"),
     "startup-8": ({"RAY_worker_maximum_startup_concurrency": "8"}, None,
                   "the raylet starts up to 8 worker processes at once (default: the CPU count)"),
     "nice0": ({"RAY_worker_niceness": "0"}, None,
@@ -72,10 +57,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in VARIANTS:
         print(f"usage: variants.py {{{','.join(VARIANTS)}}} train [ARGS ...]", file=sys.stderr)
         return 2
-    env, patch, _ = VARIANTS[argv[0]]
+    env, wrap, _ = VARIANTS[argv[0]]
     os.environ.update(env)
-    if patch is not None:
-        patch()
+    if wrap is not None:
+        wrap()
     from ray_app.cli import main as ray_app_main
 
     return ray_app_main(argv[1:])

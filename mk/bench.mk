@@ -1,6 +1,6 @@
 # Benchmarks: the kit side by side with bare torchrun (bench/). Included by the
 # Makefile, whose $(PY) / $(VENV) it uses. The full run takes about half an hour
-# on 2 cores and writes bench/RESULTS.md, bench/results.png and bench/results.json;
+# on 2 cores and writes bench/RESULTS.md, bench/results.png and build/bench/results.json;
 # CI runs only the smoke (every case once at tiny size, outputs checked, not numbers).
 
 BENCH_ARGS ?=

@@ -232,7 +232,7 @@ def _quiet_ray_env() -> None:
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     # Ray Train's controller polls the worker group every 2 s by default; 0.5 s ends a finished run
-    # ~3 s sooner and notices a dead worker sooner (bench case v, "fast-poll")
+    # sooner and notices a dead worker sooner (bench case v, variant "ray-poll", measures the difference)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
@@ -321,8 +321,8 @@ def _check_capacity(cfg: Config, resources: dict, remote: bool) -> None:
 
 
 # Ray Train V2 default controller callbacks the kit leaves out; each starts one more Ray actor (one more
-# Python process importing Ray) while the worker group starts, so on a 2-core machine each costs start-up
-# time (bench case v, variant "ray-defaults" puts them back: +3.1 s to the first step, cold, median of 3):
+# Python process importing Ray) while the worker group starts, so on a small machine each costs start-up
+# time:
 # - DatasetsCallback: a DatasetManager actor per run, for Ray Datasets passed to the trainer; the kit passes
 #   none (its loaders are plain torch DataLoaders), so it is dropped only when there are no datasets.
 # - PlacementGroupCleanerCallback: a detached actor per run that removes the worker group's placement group
@@ -543,8 +543,6 @@ def run_training(cfg: Config) -> dict:
         # this worker group's checkpoints and the time training waited for them
         "checkpoints_written": m.get("checkpoints_written"),
         "checkpoint_blocked_seconds": m.get("checkpoint_blocked_seconds"),
-        # what the metrics exporter itself cost (absent with metrics off): calls + scrape CPU, scrapes
-        **{k: m[k] for k in ("exporter_seconds", "exporter_scrapes") if k in m},
         # start-up timeline (unix seconds): driver start, Ray ready, worker entry, model ready, first step
         "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
                      **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},

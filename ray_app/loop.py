@@ -76,8 +76,6 @@ class MetricsSink(Protocol):
 
     def close(self) -> None: ...
 
-    def cost_summary(self) -> dict: ...
-
 
 # ---------------------------------------------------------------- small DDP pieces
 
@@ -311,7 +309,7 @@ def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
     scheduler._last_lr = lrs
 
 
-# ---------------------------------------------------------------- timing for summaries and benchmarks
+# ---------------------------------------------------------------- timing for the summary
 
 STEADY_SKIP_STEPS = 5  # warm-up steps left out of the steady-state throughput
 
@@ -448,7 +446,7 @@ class Trainer:
         self._final_checkpoint(summary)
         self._account(self.ckpt.settle())
         summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
-                       checkpoints_written=self.ckpt.written, **self.metrics.cost_summary())
+                       checkpoints_written=self.ckpt.written)
         self.metrics.close()
         return summary
 

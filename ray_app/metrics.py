@@ -16,7 +16,6 @@ keep working.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -139,62 +138,15 @@ class NullMetrics:
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
     def close(self) -> None: ...
 
-    def cost_summary(self) -> dict:
-        """Summary keys on what exporting cost (none without an exporter)."""
-        return {}
-
-
-def _timed(method):
-    """Count the wall time of an exporter call on the training thread (its own cost, for the summary)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.cost.calls_seconds += time.perf_counter() - t0
-
-    return wrapper
-
-
-class ExporterCost:
-    """What the exporter itself costs: time in its calls on the training thread, CPU time of
-    rendering scrapes (on the server's threads), and the number of scrapes."""
-
-    def __init__(self):
-        self.calls_seconds = self.scrape_cpu_seconds = 0.0
-        self.scrapes = 0
-
-    def as_dict(self) -> dict:
-        return {"exporter_seconds": round(self.calls_seconds + self.scrape_cpu_seconds, 6),
-                "exporter_scrapes": self.scrapes}
-
-
-def _costed_registry(cost: ExporterCost):
-    from prometheus_client import CollectorRegistry
-
-    class CostedRegistry(CollectorRegistry):
-        def collect(self):
-            t0 = time.thread_time()  # CPU of this scrape's thread: collecting and rendering between yields
-            try:
-                yield from super().collect()
-            finally:
-                cost.scrape_cpu_seconds += time.thread_time() - t0
-                cost.scrapes += 1
-
-    return CostedRegistry(auto_describe=True)
-
 
 class PrometheusMetrics(NullMetrics):
     """prometheus-client exporter served by rank 0 on ``port``, bound to ``bind`` (default: ``bind_address()``)."""
 
     def __init__(self, port: int, bind: str | None = None):
-        from prometheus_client import Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.port, self.bind = port, bind or bind_address()
-        self.cost = ExporterCost()
-        self.registry = reg = _costed_registry(self.cost)
+        self.registry = reg = CollectorRegistry(auto_describe=True)
         self._server = self._thread = self._sd_target = None
         self.serving_port = None
         h = {k: v[1] for k, v in METRICS.items()}
@@ -276,11 +228,9 @@ class PrometheusMetrics(NullMetrics):
         except OSError as exc:
             log.warning("cannot write the Prometheus target file in %s (%s); metrics are served but not announced", directory, exc)
 
-    @_timed
     def on_step(self, step_seconds: float) -> None:
         self.step_seconds.observe(step_seconds)
 
-    @_timed
     def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None:
         self.epoch.set(epoch)
         self.global_step.set(global_step)
@@ -289,7 +239,6 @@ class PrometheusMetrics(NullMetrics):
         self.samples.inc(samples)
         self.samples_per_second.set(samples_per_second)
 
-    @_timed
     def on_eval(self, values: Mapping[str, float]) -> None:
         """``values``: {metric name: mean over the distinct eval samples}, names without the ``eval_`` prefix."""
         for name, value in values.items():
@@ -298,18 +247,13 @@ class PrometheusMetrics(NullMetrics):
             if name in self.legacy_eval:
                 self.legacy_eval[name].set(value)
 
-    @_timed
     def on_checkpoint(self, *, blocked_seconds) -> None:
         self.ckpt_blocked.observe(blocked_seconds)
         self.last_ckpt.set(time.time())
 
-    @_timed
     def on_gpu_memory(self, *, allocated, max_allocated) -> None:
         self.gpu_alloc.set(allocated)
         self.gpu_max.set(max_allocated)
-
-    def cost_summary(self) -> dict:
-        return self.cost.as_dict()
 
     def close(self) -> None:
         if self._sd_target is not None:

@@ -16,8 +16,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"run", "checkpoint", "epochs", "global_step", "train_loss", "eval_accuracy", "train_seconds",
-                "resumed_from_step", "checkpoints_written", "checkpoint_blocked_seconds", "exporter_seconds",
-                "exporter_scrapes"}
+                "resumed_from_step", "checkpoints_written", "checkpoint_blocked_seconds", "timeline"}
 DIGITS_EVAL = 359
 STEPS = 10 * 23  # 10 epochs x ceil(719 / 32) batches per rank
 LOCAL_ENV = {"RAY_ADDRESS": None}  # always a fresh local Ray, never someone's cluster
@@ -56,7 +55,6 @@ def test_default_config_trains_digits_to_95_percent(trained):
     assert summary["resumed_from_step"] == 0
     assert 0 < summary["train_loss"] < 0.5 and summary["train_seconds"] > 0
     assert summary["checkpoints_written"] == 10 and summary["checkpoint_blocked_seconds"] > 0  # every epoch
-    assert summary["exporter_seconds"] > 0
     # one progress report per epoch from rank 0, not one per rank
     for epoch in range(10):
         assert sum(f"epoch {epoch} done:" in ln for ln in out.splitlines()) == 1, epoch

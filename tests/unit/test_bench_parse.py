@@ -187,6 +187,29 @@ def test_merge_keeps_the_earlier_cases_and_the_new_runs(tmp_path):
     assert "cases a from the bench of earlier" in machine["merged"][0]
 
 
+def test_merge_never_mixes_two_benches_in_one_case(tmp_path):
+    """--merge of a re-run case (p) whose "a on" is case (a)'s kit run: (p) keeps the new run, (a) its own."""
+    from bench.run import Plan, Runner, merge
+
+    runner = Runner(Plan("full", ("kit",)), ["p"], 1, tmp_path)
+    for spec, label in runner.schedule(0).items():
+        runner.results[(spec, 0)] = _fake_run(label, 100.0)
+    old = {"machine": {"date": "earlier", "load_average": "1 1 1"},
+           "runs": [_fake_run(f"a/{n} round 1", 300.0) for n in ("kit", "twin")]}
+    merge(runner, ["p"], old, {})
+    assert runner.runs("p", "a on")[0]["steady_sps"] == 100.0
+    assert [r["steady_sps"] for r in runner.runs("a", "kit") + runner.runs("a", "twin")] == [300.0, 300.0]
+    assert len(runner.all_runs()) == 4 + 2  # p's four processes, then (a)'s two from the earlier bench
+
+
+def test_results_json_stays_out_of_the_source_tree(tmp_path):
+    from bench.run import BENCH, REPO, results_json_path
+
+    assert results_json_path(BENCH) == REPO / "build" / "bench" / "results.json"
+    assert results_json_path(BENCH / "gpu") == REPO / "build" / "bench" / "gpu" / "results.json"
+    assert results_json_path(tmp_path) == tmp_path / "results.json"
+
+
 def test_process_roles_from_command_lines():
     assert parse.process_role(["ray::RayTrainWorker.__init__"]) == "ray::RayTrainWorker"
     assert parse.process_role(["ray::TrainController.run", ""]) == "ray::TrainController"

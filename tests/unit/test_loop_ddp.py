@@ -206,9 +206,6 @@ class RecordingMetrics:
 
     def close(self): ...
 
-    def cost_summary(self):
-        return {}
-
 
 BASE = ["data.name=digits", "model.name=digits_cnn", "data.batch_size=32", "train.epochs=2",
         "train.warmup_epochs=0.5", "train.log_every_steps=7", "metrics.enabled=false", "checkpoint.keep=10"]
