@@ -15,7 +15,7 @@ ARGS ?=
 
 .PHONY: help
 help: ## Show this help
-	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make \033[36m<target>\033[0m [VAR=value]\n"} /^[a-zA-Z0-9_-]+:.*?##/ { printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) }' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make \033[36m<target>\033[0m [VAR=value]\n"} /^[a-zA-Z0-9_-]+:.*?##/ { printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2 } /^##@/ { printf "\n\033[1m%s\033[0m\n", substr($$0, 5) }' $(MAKEFILE_LIST)
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,14 +31,28 @@ train: venv ## Train the default config (local Ray, 2 CPU workers, ./runs); CONF
 	$(VENV)/bin/ray-app train --config $(CONFIG) $(ARGS)
 
 .PHONY: test
-test: venv ## Run every test tier (unit, integration, e2e; e2e needs Docker)
+test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-##@ Development
+##@ Test tiers (each one folder of tests/; PYTEST_ARGS="-k s3" to select)
 
 .PHONY: test-unit
-test-unit: venv ## Fast pure tests only
+test-unit: venv ## ray_app's own logic, no Ray cluster, about a minute (tests/unit)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+.PHONY: test-deploy
+test-deploy: venv ## Static checks of k8s/, monitoring/, docker/, CI scripts, lint (tests/deploy)
+	$(PY) -m pytest tests/deploy $(PYTEST_ARGS)
+
+.PHONY: test-bench
+test-bench: venv ## bench/'s parsing, and the bench smoke run CI keeps (tests/bench, a few minutes)
+	$(PY) -m pytest tests/bench $(PYTEST_ARGS)
+
+.PHONY: test-integration
+test-integration: venv ## Real Ray, S3 API server, Prometheus (tests/integration, tens of minutes)
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+##@ Development
 
 N ?= 20
 SEED ?=
@@ -48,7 +62,7 @@ chaos: venv ## One run on local Ray, N random SIGKILL/SIGTERM/SIGSTOP faults, en
 	$(PY) -m tests.integration.chaos --faults $(N) $(if $(SEED),--seed $(SEED)) --out build/chaos.json
 
 .PHONY: lint
-lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the unit tests
+lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the deploy tests
 	$(VENV)/bin/ruff check ray_app bench tests
 
 .PHONY: preflight

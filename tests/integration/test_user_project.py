@@ -1,4 +1,4 @@
-"""A user's own project (tests/integration/user_project.py), outside the repository, on a real Ray.
+"""A user's own project (tests/support/user_project.py), outside the repository, on a real Ray.
 
 - trained with the ``ray-app`` console script run from the project's folder (local Ray);
 - ``ray-app eval`` of its checkpoint at 1, 2 and 3 workers equals a plain single-process PyTorch
@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_cli, token_ray_head
-from tests.integration.user_project import N_EVAL, write_project
+from tests.support.processes import run_cli, token_ray_head
+from tests.support.user_project import N_EVAL, write_project
 
 pytestmark = pytest.mark.integration
 
