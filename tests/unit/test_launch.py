@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ray_app import launch
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+from ray_app.checkpoint import checkpoint_dir_name
 from ray_app.config import ConfigError, load_config
 from ray_app.launch import (
     LEAN_DROPPED_CALLBACKS,
@@ -27,6 +27,7 @@ from ray_app.launch import (
     worker_main,
 )
 from ray_app.plugins import PluginError, UserCodeError
+from tests.support.checkpoints import write_checkpoint
 
 
 def _callback_names(trainer) -> set[str]:
@@ -182,15 +183,7 @@ def test_data_folder_is_checked_before_ray_only_where_the_driver_shares_it(tmp_p
 
 def _saved_run(root, run: str, cfg_overrides: list[str], step: int = 3) -> str:
     """A committed checkpoint of ``run`` whose config.json is that of ``cfg_overrides``."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    saved = load_config(None, cfg_overrides).to_dict()
-    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={},
-                                rng_per_rank=[capture_rng_state()],
-                                state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
-                                config=saved, metrics={"global_step": step})
-    path = root / run / checkpoint_dir_name(step)
-    write_checkpoint_dir(path, payload)
+    write_checkpoint(root / run, step, config=load_config(None, cfg_overrides).to_dict())
     return str(root / run)
 
 
