@@ -28,6 +28,7 @@ from ray_app.launch import (
 )
 from ray_app.plugins import PluginError, UserCodeError
 from tests.support.checkpoints import write_checkpoint
+from tests.support.stand_ins import assert_stands_in_for
 
 
 def _callback_names(trainer) -> set[str]:
@@ -233,6 +234,12 @@ class FakeRayTrain:
         self.reports.append((checkpoint is not None, checkpoint_dir_name))
 
 
+def test_the_fake_ray_train_takes_its_calls_as_ray_train_does():
+    import ray.train
+
+    assert_stands_in_for(FakeRayTrain(), ray.train)
+
+
 def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
     from ray_app.storage import LocalStorage
 
@@ -263,6 +270,10 @@ class FakeRayRuntime:
 
     def report(self, *a, **kw):
         raise AssertionError("not reached")
+
+
+def test_the_fake_ray_runtime_is_built_and_called_as_ray_runtime():
+    assert_stands_in_for(FakeRayRuntime, launch.RayRuntime)
 
 
 SMALL_DATA = ["data.name=synthetic", "data.args.num_samples=16", "data.args.image_size=4"]

@@ -22,6 +22,7 @@ from ray_app.config import ConfigError, load_config
 from ray_app.launch import UserError, worker_main
 from ray_app.plugins import UserCodeError
 from ray_app.storage import LocalStorage
+from tests.support.stand_ins import assert_stands_in_for
 
 
 def write(folder: Path, name: str, source: str) -> Path:
@@ -171,6 +172,12 @@ class FakeContext:
         return 1
 
 
+def test_the_fake_context_answers_as_ray_trains_context():
+    import ray.train
+
+    assert_stands_in_for(FakeContext, ray.train.TrainContext)
+
+
 def test_the_environment_is_torchruns():
     env = kit.torchrun_env(FakeContext(), "my-run")
     assert env == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -230,6 +237,10 @@ class FakeRuntime:
         self.reports.append(metrics)
         if local_dir is not None:
             upload(Path(local_dir), dir_name)
+
+
+def test_the_fake_runtime_is_built_and_called_as_ray_runtime():
+    assert_stands_in_for(FakeRuntime, launch.RayRuntime)
 
 
 @pytest.fixture
