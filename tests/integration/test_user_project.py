@@ -82,12 +82,10 @@ def reference(project, trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "model.pt"
     rc, _, err = ray_app(["checkpoints", "export", trained["checkpoint"], "--out", str(out)], project)
     assert rc == 0, err
-    sys.path.insert(0, str(project))
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the user's package, from its folder, for this import only
+        mp.syspath_prepend(str(project))
         from acme.data import build
         from acme.model import Net
-    finally:
-        sys.path.remove(str(project))
     _, ev, info = build(n_train=301, n_eval=97)
     model = Net(info["num_features"], info["num_classes"], hidden=24)
     model.load_state_dict(torch.load(out, weights_only=True))

@@ -29,6 +29,7 @@ from ray_app.launch import (
 from ray_app.plugins import PluginError, UserCodeError
 from tests.support.checkpoints import write_checkpoint
 from tests.support.stand_ins import assert_stands_in_for
+from tests.support.worker import worker_without_ray
 
 
 def _callback_names(trainer) -> set[str]:
@@ -282,12 +283,7 @@ SMALL_DATA = ["data.name=synthetic", "data.args.num_samples=16", "data.args.imag
 @pytest.fixture
 def worker(monkeypatch, tmp_path, clean_path):
     """worker_main with a fake runtime; the user's code lives in a project folder that is not on sys.path."""
-    project = tmp_path / "project"
-    project.mkdir()
-    monkeypatch.setattr(launch, "RayRuntime", FakeRayRuntime)
-    monkeypatch.setattr(launch, "_worker_logging", lambda: None)
-    monkeypatch.setattr(launch._SHOWN_BY_THE_DRIVER, "active", False)
-    monkeypatch.chdir(tmp_path)
+    project = worker_without_ray(monkeypatch, tmp_path, FakeRayRuntime)
     base = [f"run.storage={tmp_path / 'runs'}", "metrics.enabled=false"]
 
     def run(source: str, overrides: list[str]):

@@ -23,6 +23,7 @@ from ray_app.launch import UserError, worker_main
 from ray_app.plugins import UserCodeError
 from ray_app.storage import LocalStorage
 from tests.support.stand_ins import assert_stands_in_for
+from tests.support.worker import worker_without_ray
 
 
 def write(folder: Path, name: str, source: str) -> Path:
@@ -248,13 +249,8 @@ def script_worker(monkeypatch, tmp_path, saved_process_state):
     """launch.worker_main in script mode: fake runtime and Ray Train context, a project folder."""
     import ray.train
 
-    project = tmp_path / "project"
-    project.mkdir()
-    monkeypatch.setattr(launch, "RayRuntime", FakeRuntime)
-    monkeypatch.setattr(launch, "_worker_logging", lambda: None)
-    monkeypatch.setattr(launch._SHOWN_BY_THE_DRIVER, "active", False)
+    project = worker_without_ray(monkeypatch, tmp_path, FakeRuntime)
     monkeypatch.setattr(ray.train, "get_context", FakeContext)
-    monkeypatch.chdir(tmp_path)
     cfg = load_config(None, [f"run.storage={tmp_path / 'runs'}", "run.name=s"])
 
     def run(source: str, args=(), job_script="train.py"):
