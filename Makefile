@@ -31,14 +31,28 @@ train: venv ## Train the default config (local Ray, 2 CPU workers, ./runs); CONF
 	$(VENV)/bin/ray-app train --config $(CONFIG) $(ARGS)
 
 .PHONY: test
-test: venv ## Run every test tier (unit, integration, e2e; e2e needs Docker)
+test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-##@ Development
+##@ Test tiers (each one folder of tests/; PYTEST_ARGS="-k s3" to select)
 
 .PHONY: test-unit
-test-unit: venv ## Fast pure tests only
+test-unit: venv ## ray_app's own logic, no Ray cluster, about a minute (tests/unit)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+.PHONY: test-deploy
+test-deploy: venv ## Static checks of k8s/, monitoring/, docker/, CI scripts, lint (tests/deploy)
+	$(PY) -m pytest tests/deploy $(PYTEST_ARGS)
+
+.PHONY: test-bench
+test-bench: venv ## bench/'s parsing, and the bench smoke run CI keeps (tests/bench, a few minutes)
+	$(PY) -m pytest tests/bench $(PYTEST_ARGS)
+
+.PHONY: test-integration
+test-integration: venv ## Real Ray, S3 API server, Prometheus (tests/integration, tens of minutes)
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+##@ Development
 
 N ?= 20
 SEED ?=
@@ -48,7 +62,7 @@ chaos: venv ## One run on local Ray, N random SIGKILL/SIGTERM/SIGSTOP faults, en
 	$(PY) -m tests.integration.chaos --faults $(N) $(if $(SEED),--seed $(SEED)) --out build/chaos.json
 
 .PHONY: lint
-lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the unit tests
+lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the deploy tests
 	$(VENV)/bin/ruff check ray_app bench tests
 
 .PHONY: preflight

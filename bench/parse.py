@@ -1,6 +1,6 @@
 """Pure parsing for the bench: progress lines, Prometheus text, Ray Train's logs, start-up phases.
 
-No processes are started here (tests/unit/test_bench_parse.py covers it).
+No processes are started here (tests/bench/test_bench_parse.py covers it).
 """
 
 from __future__ import annotations

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from e2e_cluster import LOG_DIR, REPO, Secrets  # noqa: E402
+from tests.e2e.e2e_cluster import LOG_DIR, REPO, Secrets
 
 IMAGE = os.environ.get("IMAGE", "ray-app:0.1.0")  # = the Makefile's IMAGE
 

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import stop_process
+from tests.support.ports import free_port
+from tests.support.processes import stop_process
+from tests.support.tools import venv_tool
 
 REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = REPO / ".venv" / "bin"
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 PROMETHEUS_CONFIG = REPO / "monitoring" / "prometheus.yml"
 LOG_DIR = REPO / "build" / "e2e-logs"
@@ -45,22 +46,10 @@ BUCKET = "ray-app"
 SUBMIT_EXCLUDES = [".ray-token", ".minio-secret", ".venv", "runs", "build"]
 
 
-def venv_tool(name: str) -> str:
-    """A console script of the project's venv, else the one on PATH."""
-    path = VENV_BIN / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
-
-
 def docker(*args: str, check: bool = True, timeout: float = 120, env: dict | None = None,
            capture: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], check=check, timeout=timeout, text=True,
                           capture_output=capture, env=env)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):

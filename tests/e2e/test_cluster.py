@@ -20,9 +20,9 @@ import time
 
 import pytest
 import torch
-from e2e_cluster import LOG_DIR, ContainerCluster, docker, rank_placements, summary_of, wait_until
 
-from tests.integration.ddp_script import TRAIN, lines_of, write_scripts
+from tests.e2e.e2e_cluster import LOG_DIR, ContainerCluster, docker, rank_placements, summary_of, wait_until
+from tests.support.ddp_script import TRAIN, lines_of, write_scripts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

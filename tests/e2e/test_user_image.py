@@ -2,7 +2,7 @@
 
 The Dockerfiles are the ones docs/containers.md shows ("Your own code in an image built FROM the
 kit's"), read from the docs, so the docs stay true to what works. The project is the one of the
-integration tests (tests/integration/user_project.py: package ``acme`` and ``my.yaml``).
+integration tests (tests/support/user_project.py: package ``acme`` and ``my.yaml``).
 
 - the PYTHONPATH variant is built FROM the kit's image; a head and two workers of that image
   (the harness of test_cluster.py, a cluster of its own) run ``ray job submit`` with no
@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_cluster import LOG_DIR, REPO, ContainerCluster, docker, rank_placements, summary_of, venv_tool
 
-from tests.integration.user_project import N_EVAL, N_TRAIN, write_project
+from tests.e2e.e2e_cluster import LOG_DIR, REPO, ContainerCluster, docker, rank_placements, summary_of
+from tests.support.tools import venv_tool
+from tests.support.user_project import N_EVAL, N_TRAIN, write_project
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tests.helpers import train_workers
+from tests.support.processes import train_workers
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS_PER_EPOCH = 32  # 1024 samples / 2 workers / batch 16

@@ -16,16 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import stop_process
+from tests.support.ports import free_port
+from tests.support.processes import stop_process
 
 BUCKET = "ray-app-test"
 _SETUP_CALLS = 7  # create_bucket + 2 x (create_user, put_user_policy, create_access_key)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _moto_server_cmd() -> list[str]:

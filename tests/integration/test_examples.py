@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_cli
+from tests.support.processes import run_cli
 
 pytestmark = pytest.mark.integration
 

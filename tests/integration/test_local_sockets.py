@@ -36,7 +36,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import train_workers
+from tests.support.ports import free_port
+from tests.support.processes import train_workers
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -170,12 +171,6 @@ def owned_sockets(root: int, metrics_port: int) -> tuple[list[Listener], set[int
     for s in in_workers:
         s.owner = EXPORTER if s.port == metrics_port else RENDEZVOUS if s.port == store else GLOO
     return found, worker_pids
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def network_address() -> str | None:

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,8 @@ import pytest
 
 from ray_app.checkpoint import newest_verified
 from ray_app.storage import LocalStorage
-from tests.helpers import stop_process
+from tests.support.ports import free_port
+from tests.support.processes import stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -42,12 +42,6 @@ def require(binary: str) -> str:
     if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
         pytest.fail(f"{binary} is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
     pytest.skip(f"{binary} not installed (apt-get install -y prometheus)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout: float, interval: float = 0.5, on_timeout=lambda: ""):

@@ -20,8 +20,8 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import train_workers
 from tests.integration.s3server import start_s3_server
+from tests.support.processes import train_workers
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_preflight_fails_fast_with_exit_2(s3, case, tmp_path):
     elif case == "wrong_credentials":
         env = s3.env(creds=("AKIAWRONGWRONGWRONG0", "wrong-secret"))
     elif case == "unreachable_endpoint":
-        from tests.integration.s3server import free_port
+        from tests.support.ports import free_port
 
         env = s3.env(endpoint=f"http://127.0.0.1:{free_port()}")
     elif case == "read_only_prefix":

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, token_ray_head, train_workers
-from tests.integration.ddp_script import lines_of, write_scripts
+from tests.support.ddp_script import lines_of, write_scripts
+from tests.support.processes import run_cli, token_ray_head, train_workers
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""A user's own project (tests/integration/user_project.py), outside the repository, on a real Ray.
+"""A user's own project (tests/support/user_project.py), outside the repository, on a real Ray.
 
 - trained with the ``ray-app`` console script run from the project's folder (local Ray);
 - ``ray-app eval`` of its checkpoint at 1, 2 and 3 workers equals a plain single-process PyTorch
@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import run_cli, token_ray_head
-from tests.integration.user_project import N_EVAL, write_project
+from tests.support.processes import run_cli, token_ray_head
+from tests.support.user_project import N_EVAL, write_project
 
 pytestmark = pytest.mark.integration
 
@@ -82,12 +82,10 @@ def reference(project, trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "model.pt"
     rc, _, err = ray_app(["checkpoints", "export", trained["checkpoint"], "--out", str(out)], project)
     assert rc == 0, err
-    sys.path.insert(0, str(project))
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the user's package, from its folder, for this import only
+        mp.syspath_prepend(str(project))
         from acme.data import build
         from acme.model import Net
-    finally:
-        sys.path.remove(str(project))
     _, ev, info = build(n_train=301, n_eval=97)
     model = Net(info["num_features"], info["num_classes"], hidden=24)
     model.load_state_dict(torch.load(out, weights_only=True))

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.support.processes import run_cli
 
 pytestmark = pytest.mark.integration
 

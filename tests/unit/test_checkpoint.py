@@ -36,21 +36,15 @@ from ray_app.checkpoint import (
     write_manifest,
 )
 from ray_app.storage import LocalStorage, StorageError
+from tests.support.checkpoints import tiny_payload as checkpoint_payload
 
 RUN = "run-a"
 
 
 def tiny_payload(step: int, seed: int = 0, ranks: int = 2) -> CheckpointPayload:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(3, 5)).sum().backward()
-    opt.step()  # momentum buffers: the optimizer state is not empty
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                             rng_per_rank=[capture_rng_state() for _ in range(ranks)],
-                             state={"epoch": 2, "batches_done": 5, "global_step": step, "world_size": ranks},
-                             config={"run": {"name": RUN}}, metrics={"global_step": step, "eval_accuracy": 0.9})
+    """This module's checkpoints: two ranks of run-a, 5 batches into epoch 2."""
+    return checkpoint_payload(step, seed=seed, ranks=ranks, epoch=2, batches_done=5, config={"run": {"name": RUN}},
+                              metrics={"global_step": step, "eval_accuracy": 0.9})
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+from ray_app.checkpoint import write_checkpoint_dir
+from tests.support.checkpoints import tiny_payload, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_YAML = str(REPO / "configs" / "local.yaml")
@@ -27,16 +28,7 @@ def one_error_line(stderr: str) -> str:
 
 def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
     """A real committed checkpoint of a tiny model under storage_root/run/."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    payload = CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler={},
-                                rng_per_rank=[capture_rng_state()],
-                                state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
-                                config={}, metrics={"eval_accuracy": 0.5, "global_step": step})
-    path = storage_root / run / checkpoint_dir_name(step)
-    write_checkpoint_dir(path, payload)
-    return path
+    return write_checkpoint(storage_root / run, step, metrics={"eval_accuracy": 0.5, "global_step": step})
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -230,8 +222,7 @@ def test_checkpoints_list_verify_export_on_a_good_run(run_cli, tmp_path):
     rc, out, err = run_cli(["checkpoints", "export", run_uri, "--out", str(out_file)], timeout=60)
     assert rc == 0, err
     exported = torch.load(out_file, weights_only=True)
-    torch.manual_seed(0)
-    expected = torch.nn.Linear(4, 3).state_dict()
+    expected = tiny_payload(7).model
     assert exported.keys() == expected.keys()
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
     assert json.loads(out.splitlines()[-1])["global_step"] == 7
@@ -273,11 +264,7 @@ def test_checkpoints_list_shows_every_eval_metric_of_the_task(run_cli, tmp_path)
     metrics = {"global_step": 7, "train_loss": 0.5, "eval_mse": 0.123456, "eval_mae": 0.25, "other": 1}
     (ckpt / "metrics.json").write_text(json.dumps(metrics))
     # re-commit: the manifest must list the new metrics.json
-    payload = CheckpointPayload(model=torch.load(ckpt / "model.pt", weights_only=True), optimizer={}, scheduler={},
-                                rng_per_rank=[capture_rng_state()],
-                                state={"epoch": 1, "batches_done": 0, "global_step": 7, "world_size": 1},
-                                config={}, metrics=metrics)
-    write_checkpoint_dir(ckpt, payload)
+    write_checkpoint_dir(ckpt, tiny_payload(7, metrics=metrics))
     rc, out, err = run_cli(["checkpoints", "list", str(tmp_path / "runs" / "r1")], timeout=60)
     assert rc == 0, err
     assert "eval_mse 0.1235" in out and "eval_mae 0.25" in out and "eval_accuracy" not in out

@@ -25,6 +25,7 @@ class FakeApiServer:
     def __init__(self, pods: dict[str, dict], fail_patch: int = 0, delay: float = 0.0):
         self.pods, self.fail_patch, self.delay = pods, fail_patch, delay
         self.requests: list[dict] = []
+        self.replies: list[dict] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -32,6 +33,9 @@ class FakeApiServer:
                 pass
 
             def _reply(self, code: int, body: dict):
+                if code >= 400:  # the API server's errors are Status objects
+                    body = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": code, **body}
+                fake.replies.append(body)
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -56,11 +60,11 @@ class FakeApiServer:
                     wanted = dict(term.split("=") for term in selector.split(","))
                     items = [{"metadata": {"name": n, "labels": labels}} for n, labels in fake.pods.items()
                              if wanted.items() <= labels.items()]
-                    return self._reply(200, {"kind": "PodList", "items": items})
+                    return self._reply(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items})
                 name = url.path.removeprefix(prefix + "/")
                 if name not in fake.pods:
                     return self._reply(404, {"reason": "NotFound"})
-                return self._reply(200, {"metadata": {"name": name, "labels": fake.pods[name]}})
+                return self._reply(200, pod(name))
 
             def do_PATCH(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -73,7 +77,10 @@ class FakeApiServer:
                         fake.pods[name].pop(key, None)
                     else:
                         fake.pods[name][key] = value
-                return self._reply(200, {"metadata": {"name": name, "labels": fake.pods[name]}})
+                return self._reply(200, pod(name))
+
+        def pod(name: str) -> dict:
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": fake.pods[name]}}
 
         class Server(ThreadingHTTPServer):
             def handle_error(self, request, client_address):
@@ -119,6 +126,35 @@ def test_outside_kubernetes_it_is_a_no_op(drop, sa_dir, tmp_path):
         directory = str(tmp_path / "no-such-dir") if drop == "token" else sa_dir
         assert podlabel.label_own_pod_as_metrics_target(env=env, sa_dir=directory, api_base_url=api.url) is False
         assert api.requests == []
+
+
+# The Kubernetes API's own routes (API reference, core/v1 Pod: list, read, patch) for the calls podlabel makes.
+POD_ROUTES = {
+    ("GET", "/api/v1/namespaces/{namespace}/pods"),
+    ("GET", "/api/v1/namespaces/{namespace}/pods/{name}"),
+    ("PATCH", "/api/v1/namespaces/{namespace}/pods/{name}"),
+}
+
+
+def api_route(path: str) -> str:
+    parts = urlsplit(path).path.split("/")  # "", api, v1, namespaces, NS, pods[, NAME]
+    parts[4] = "{namespace}"
+    if len(parts) > 6:
+        parts[6] = "{name}"
+    return "/".join(parts)
+
+
+def test_the_fake_api_server_answers_as_the_kubernetes_api_does(sa_dir):
+    """The fake serves the Kubernetes API's routes, and each object it answers with is a valid Pod or PodList
+    (kubernetes-validate, strict); its errors are Status objects, as the API server's are."""
+    import kubernetes_validate
+
+    with FakeApiServer(cluster_pods()) as api:
+        assert podlabel.label_own_pod_as_metrics_target(env=pod_env(), sa_dir=sa_dir, api_base_url=api.url) is True
+    assert {(r["method"], api_route(r["path"])) for r in api.requests} == POD_ROUTES
+    assert {r["kind"] for r in api.replies} == {"Pod", "PodList"}
+    for reply in api.replies:
+        kubernetes_validate.validate(reply, "1.30.0", strict=True)
 
 
 def test_plain_machine_returns_false():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ray_app import launch
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+from ray_app.checkpoint import checkpoint_dir_name
 from ray_app.config import ConfigError, load_config
 from ray_app.launch import (
     LEAN_DROPPED_CALLBACKS,
@@ -27,6 +27,9 @@ from ray_app.launch import (
     worker_main,
 )
 from ray_app.plugins import PluginError, UserCodeError
+from tests.support.checkpoints import write_checkpoint
+from tests.support.stand_ins import assert_stands_in_for
+from tests.support.worker import worker_without_ray
 
 
 def _callback_names(trainer) -> set[str]:
@@ -182,15 +185,7 @@ def test_data_folder_is_checked_before_ray_only_where_the_driver_shares_it(tmp_p
 
 def _saved_run(root, run: str, cfg_overrides: list[str], step: int = 3) -> str:
     """A committed checkpoint of ``run`` whose config.json is that of ``cfg_overrides``."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    saved = load_config(None, cfg_overrides).to_dict()
-    payload = CheckpointPayload(model=model.state_dict(), optimizer={}, scheduler={},
-                                rng_per_rank=[capture_rng_state()],
-                                state={"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1},
-                                config=saved, metrics={"global_step": step})
-    path = root / run / checkpoint_dir_name(step)
-    write_checkpoint_dir(path, payload)
+    write_checkpoint(root / run, step, config=load_config(None, cfg_overrides).to_dict())
     return str(root / run)
 
 
@@ -240,6 +235,12 @@ class FakeRayTrain:
         self.reports.append((checkpoint is not None, checkpoint_dir_name))
 
 
+def test_the_fake_ray_train_takes_its_calls_as_ray_train_does():
+    import ray.train
+
+    assert_stands_in_for(FakeRayTrain(), ray.train)
+
+
 def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
     from ray_app.storage import LocalStorage
 
@@ -272,18 +273,17 @@ class FakeRayRuntime:
         raise AssertionError("not reached")
 
 
+def test_the_fake_ray_runtime_is_built_and_called_as_ray_runtime():
+    assert_stands_in_for(FakeRayRuntime, launch.RayRuntime)
+
+
 SMALL_DATA = ["data.name=synthetic", "data.args.num_samples=16", "data.args.image_size=4"]
 
 
 @pytest.fixture
 def worker(monkeypatch, tmp_path, clean_path):
     """worker_main with a fake runtime; the user's code lives in a project folder that is not on sys.path."""
-    project = tmp_path / "project"
-    project.mkdir()
-    monkeypatch.setattr(launch, "RayRuntime", FakeRayRuntime)
-    monkeypatch.setattr(launch, "_worker_logging", lambda: None)
-    monkeypatch.setattr(launch._SHOWN_BY_THE_DRIVER, "active", False)
-    monkeypatch.chdir(tmp_path)
+    project = worker_without_ray(monkeypatch, tmp_path, FakeRayRuntime)
     base = [f"run.storage={tmp_path / 'runs'}", "metrics.enabled=false"]
 
     def run(source: str, overrides: list[str]):

@@ -14,6 +14,7 @@ import pytest
 from ray_app import launch
 from ray_app.config import Config
 from ray_app.metrics import ADVERTISE_HOST_ENV, BIND_ENV, PrometheusMetrics, advertised_host
+from tests.support.stand_ins import assert_stands_in_for
 
 
 class FakeRay:
@@ -27,6 +28,12 @@ class FakeRay:
 
     def cluster_resources(self):
         return {"CPU": 64}
+
+
+def test_the_fake_ray_takes_its_calls_as_ray_does():
+    import ray
+
+    assert_stands_in_for(FakeRay(), ray)
 
 
 @pytest.fixture

@@ -36,8 +36,10 @@ from ray_app.loop import (
     global_mean,
     lr_lambda,
 )
+from ray_app.metrics import NullMetrics
 from ray_app.plugins import build_data, build_model
 from ray_app.storage import LocalStorage
+from tests.support.stand_ins import assert_stands_in_for
 
 EVAL_N = 359  # the digits eval set size: divisible by neither 2 nor 3
 
@@ -338,6 +340,10 @@ def test_real_objects_and_test_fakes_satisfy_the_loops_protocols(protocol, imple
                 assert p.name in params or any(q.kind is q.VAR_KEYWORD for q in params.values()), \
                     f"{path}.{method} does not take {p.name}"
 
+
+
+def test_the_recording_metrics_sink_is_called_as_the_null_sink():
+    assert_stands_in_for(RecordingMetrics, NullMetrics)
 
 def test_identical_parameters_check(collectives):
     world, ranks = collectives

@@ -22,15 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
 from ray_app.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRIC_LABELS, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
-from tests.helpers import promtool
+from tests.support.ports import free_port
+from tests.support.tools import promtool
 
 GPU_METRICS = {"ray_app_gpu_memory_allocated_bytes", "ray_app_gpu_memory_max_allocated_bytes"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:

@@ -22,6 +22,8 @@ from ray_app.config import ConfigError, load_config
 from ray_app.launch import UserError, worker_main
 from ray_app.plugins import UserCodeError
 from ray_app.storage import LocalStorage
+from tests.support.stand_ins import assert_stands_in_for
+from tests.support.worker import worker_without_ray
 
 
 def write(folder: Path, name: str, source: str) -> Path:
@@ -171,6 +173,12 @@ class FakeContext:
         return 1
 
 
+def test_the_fake_context_answers_as_ray_trains_context():
+    import ray.train
+
+    assert_stands_in_for(FakeContext, ray.train.TrainContext)
+
+
 def test_the_environment_is_torchruns():
     env = kit.torchrun_env(FakeContext(), "my-run")
     assert env == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -232,18 +240,17 @@ class FakeRuntime:
             upload(Path(local_dir), dir_name)
 
 
+def test_the_fake_runtime_is_built_and_called_as_ray_runtime():
+    assert_stands_in_for(FakeRuntime, launch.RayRuntime)
+
+
 @pytest.fixture
 def script_worker(monkeypatch, tmp_path, saved_process_state):
     """launch.worker_main in script mode: fake runtime and Ray Train context, a project folder."""
     import ray.train
 
-    project = tmp_path / "project"
-    project.mkdir()
-    monkeypatch.setattr(launch, "RayRuntime", FakeRuntime)
-    monkeypatch.setattr(launch, "_worker_logging", lambda: None)
-    monkeypatch.setattr(launch._SHOWN_BY_THE_DRIVER, "active", False)
+    project = worker_without_ray(monkeypatch, tmp_path, FakeRuntime)
     monkeypatch.setattr(ray.train, "get_context", FakeContext)
-    monkeypatch.chdir(tmp_path)
     cfg = load_config(None, [f"run.storage={tmp_path / 'runs'}", "run.name=s"])
 
     def run(source: str, args=(), job_script="train.py"):

@@ -1,17 +1,14 @@
-"""Small helpers shared by the test tiers (imported as ``tests.helpers``)."""
+"""The processes the tests start and stop: ``python -m ray_app``, a token-auth Ray head, Ray Train workers."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
@@ -22,16 +19,6 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(grace_s)
-
-
-def promtool() -> str:
-    """Path of promtool; skip without it, unless CI says Prometheus must be there."""
-    path = shutil.which("promtool")
-    if path:
-        return path
-    if os.environ.get("REQUIRE_DOCKER") == "1" or os.environ.get("REQUIRE_PROMETHEUS") == "1":
-        pytest.fail("promtool is required (REQUIRE_DOCKER/REQUIRE_PROMETHEUS=1): apt-get install -y prometheus")
-    pytest.skip("promtool not installed (apt-get install -y prometheus)")
 
 
 def run_cli(args: list[str], env: dict | None = None, timeout: float = 120, cwd: str | os.PathLike | None = None,

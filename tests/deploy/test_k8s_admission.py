@@ -9,13 +9,10 @@ installed; the structure is checked always."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import REPO, one, render  # noqa: E402
+from tests.support.k8s import REPO, one, render
 
 LABEL = "ray-app.io/metrics-rank0"
 SA = "system:serviceaccount:ray-app:ray-app"

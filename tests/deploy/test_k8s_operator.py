@@ -7,13 +7,11 @@ and the time budget of a RayJob with retries."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import DEPLOYABLE, K8S, REPO, one, render  # noqa: E402
+from tests.support.k8s import DEPLOYABLE, K8S, REPO, one, render
 
 # The oldest operator the manifests work with, stated the same everywhere:
 # 1.6 is the first with authOptions.secretName, preRunningDeadlineSeconds and

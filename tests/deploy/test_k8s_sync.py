@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import REPO, kubectl, make_env  # noqa: E402
+from tests.support.k8s import REPO, kubectl, make_env
 
 RULES = "monitoring/rules/ray-app.rules.yml"
 RULE_EXPR = "rate(ray_app_samples_processed_total[1m])"

@@ -8,14 +8,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import (  # noqa: E402
+from ray_app import podlabel
+from ray_app.config import MetricsSection, load_config
+from tests.support.k8s import (
     DEPLOYABLE,
     K8S,
     KUSTOMIZATIONS,
@@ -28,9 +28,6 @@ from conftest_k8s import (  # noqa: E402
     rayjob_templates,
     render,
 )
-
-from ray_app import podlabel  # noqa: E402
-from ray_app.config import MetricsSection, load_config  # noqa: E402
 
 ENTRYPOINT = "ray-app train --config /etc/ray-app/config.yaml"
 OVERLAY_CONFIG = {"base": "configs/kind.yaml", "overlays/kind-cpu": "configs/kind.yaml", "overlays/gpu": "configs/gpu.yaml"}

@@ -10,13 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import REPO, kubectl, make_env, pod_specs  # noqa: E402
+from tests.support.k8s import REPO, kubectl, make_env, pod_specs
 
 OTHER_NS = "team-a"
 DEV_IMAGE = "ray-app:dev"

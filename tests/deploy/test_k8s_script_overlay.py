@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import K8S, OVERLAYS, REPO, kubectl, one, render  # noqa: E402
-from test_k8s_manifests import validate_crd  # noqa: E402
+from tests.support.k8s import OVERLAYS, REPO, one, render, render_user_overlay, validate_crd
 
 DOCS = REPO / "docs" / "kubernetes.md"
 SECTION = "### Your torchrun-style script on the RayJob"
@@ -36,14 +30,7 @@ def test_documented_script_overlay_replaces_only_the_entrypoint(base, tmp_path):
     kustomization = yaml.safe_load(documented_overlay())
     assert kustomization["resources"] == ["../gpu"]
     kustomization["resources"] = [f"../{base}"]
-    tree = tmp_path / "k8s"
-    shutil.copytree(K8S, tree)
-    (tree / "overlays" / "my-script").mkdir()
-    (tree / "overlays" / "my-script" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    out = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / "my-script")], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    objs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    objs = render_user_overlay(kustomization, "my-script", tmp_path)
 
     job = one(objs, "RayJob", "ray-app-train")
     validate_crd(job)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helpers import promtool
+from tests.support.tools import promtool
 
 MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 RULES = MONITORING / "rules" / "ray-app.rules.yml"

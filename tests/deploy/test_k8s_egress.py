@@ -6,13 +6,10 @@ however it is deployed, and each S3 credential source the docs name."""
 from __future__ import annotations
 
 import ipaddress
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import DEPLOYABLE, K8S, NAMESPACE, REPO, render  # noqa: E402
+from tests.support.k8s import DEPLOYABLE, K8S, NAMESPACE, REPO, render
 
 
 def selects(selector: dict | None, labels: dict) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +25,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import DEPLOYABLE, K8S, OVERLAYS, REPO, kubectl, one, rayjob_templates, render  # noqa: E402
-from test_k8s_manifests import validate_crd  # noqa: E402
+from tests.support.k8s import (
+    DEPLOYABLE,
+    OVERLAYS,
+    REPO,
+    one,
+    rayjob_templates,
+    render,
+    render_user_overlay,
+    validate_crd,
+)
 
 DRAIN = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 STOP_WAIT = "RAY_JOB_STOP_WAIT_TIME_S"
@@ -213,14 +219,7 @@ def test_the_documented_big_model_overlay_raises_every_window_together(base, tmp
     kustomization = documented_big_model_overlay()
     assert kustomization["resources"] == ["../gpu"]
     kustomization["resources"] = [f"../{base}"]
-    tree = tmp_path / "k8s"
-    shutil.copytree(K8S, tree)
-    (tree / "overlays" / "big-model").mkdir()
-    (tree / "overlays" / "big-model" / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    out = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / "big-model")], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr  # a `test` op fails here when an env entry has moved
-    job = one([d for d in yaml.safe_load_all(out.stdout) if d], "RayJob")
+    job = one(render_user_overlay(kustomization, "big-model", tmp_path), "RayJob")
     validate_crd(job)
     windows = stop_windows(job)
     check_windows(windows)

@@ -10,13 +10,9 @@ pods to GCS / the job API, token auth, one namespaced Role.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import (  # noqa: E402
+from tests.support.k8s import (
     APP_LABEL,
     DEPLOYABLE,
     KUSTOMIZATIONS,

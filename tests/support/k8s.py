@@ -1,9 +1,6 @@
-"""Helpers shared by tests/unit/test_k8s_*.py: render with kustomize, find pod
-specs, load the CRD schemas from ../shared/schemas.
-
-Not a conftest.py (pytest does not load it by itself): the k8s test modules
-import it by name, which works because tests/unit is on sys.path.
-"""
+"""What the k8s tests (tests/deploy/test_k8s_*.py) share: render with kustomize, a
+user's overlay on a copy of k8s/, find pod specs, validate custom resources against
+the CRD schemas of ../shared/schemas."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -77,6 +75,19 @@ def _render_cached(rel: str) -> tuple[str, ...]:
 def render(rel: str) -> list[dict]:
     """The objects of `kubectl kustomize k8s/<rel>` (fresh copies each call)."""
     return [yaml.safe_load(text) for text in _render_cached(rel)]
+
+
+def render_user_overlay(kustomization: dict, name: str, tmp_path: Path) -> list[dict]:
+    """The objects of a user's own overlay ``k8s/overlays/<name>`` (as the docs show it), rendered in a copy
+    of k8s/ under ``tmp_path``; a failed render fails the test with kustomize's message."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    (tree / "overlays" / name).mkdir()
+    (tree / "overlays" / name / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    out = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / name)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr  # a `test` op fails here when an entry it patches has moved
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -166,3 +177,12 @@ def make_var(name: str) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def validate_crd(obj: dict) -> None:
+    """A custom resource against its CRD's schema, unknown fields rejected."""
+    validator = jsonschema.Draft4Validator(crd_schema(obj["kind"]))  # OpenAPI 3.0 schemas are draft-4 flavoured
+    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
+    assert not errors, f"{obj['kind']}/{obj['metadata']['name']}: " + "; ".join(
+        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5]
+    )

@@ -6,23 +6,18 @@ cluster's API server would accept them the first time."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest_k8s import (  # noqa: E402
+from tests.support.k8s import (
     CRD_FILES,
     K8S,
     KUSTOMIZATIONS,
-    crd_schema,
     pod_specs,
     render,
     strict_schema,
+    validate_crd,
 )
 
 # The oldest Kubernetes the manifests promise to work on (ValidatingAdmissionPolicy
@@ -39,14 +34,6 @@ def validate_core(obj: dict, version: str) -> None:
     except kubernetes_validate.ValidationError as exc:
         path = ".".join(str(p) for p in exc.path)
         pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version} at {path}: {exc.message}")
-
-
-def validate_crd(obj: dict) -> None:
-    validator = jsonschema.Draft4Validator(crd_schema(obj["kind"]))  # OpenAPI 3.0 schemas are draft-4 flavoured
-    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, f"{obj['kind']}/{obj['metadata']['name']}: " + "; ".join(
-        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:5]
-    )
 
 
 @pytest.mark.parametrize("rel", KUSTOMIZATIONS)

@@ -1,0 +1,34 @@
+"""A real checkpoint of a tiny model, for the tests of what reads, lists, verifies and resumes checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+
+
+def tiny_payload(step: int, *, seed: int = 0, ranks: int = 1, epoch: int = 1, batches_done: int = 0,
+                 config: dict | None = None, metrics: dict | None = None) -> CheckpointPayload:
+    """A ``Linear(5, 4)`` after one SGD step with momentum (so the optimizer state is not empty), its
+    scheduler, and one RNG state per rank, at ``global_step`` ``step``. The same ``seed`` gives the same
+    weights. ``metrics`` defaults to ``{"global_step": step}``, ``config`` to ``{}``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(5, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 5)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                             rng_per_rank=[capture_rng_state() for _ in range(ranks)],
+                             state={"epoch": epoch, "batches_done": batches_done, "global_step": step,
+                                    "world_size": ranks},
+                             config=config or {}, metrics=metrics or {"global_step": step})
+
+
+def write_checkpoint(run_dir: Path, step: int, **payload) -> Path:
+    """``tiny_payload(step, **payload)`` committed (manifest last) as ``run_dir``'s checkpoint of ``step``."""
+    path = Path(run_dir) / checkpoint_dir_name(step)
+    write_checkpoint_dir(path, tiny_payload(step, **payload))
+    return path
