@@ -59,6 +59,12 @@ class Run:
         finally:
             self.stop()
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """Kill the whole session (driver, local Ray, workers) if the driver still runs."""
         if self.proc.poll() is None:

@@ -13,7 +13,6 @@ each run ends on the uninterrupted run's parameters, bit for bit.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
@@ -79,18 +78,14 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
 
 
 def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_step_is_lost(reference, tmp_path):
-    run = Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=term", *WORKLOAD,
-               "--set", "failure.max_failures=0"])  # only epoch checkpoints: the one at the SIGTERM is its own
-    try:
+    with Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=term", *WORKLOAD,
+              "--set", "failure.max_failures=0"]) as run:  # only epoch checkpoints: the SIGTERM's is its own
         logged = run.wait_for_step(STEPS_PER_EPOCH + 8)  # mid-way through the second epoch
         workers = run.workers()
         assert len(workers) == 2 and run.proc.poll() is None, (workers, run.text[-3000:])
         workers[0].send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
         rc = run.wait()
-    finally:
-        if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
     assert rc == 0, run.text[-5000:]
     assert "ray-app: SIGTERM: checkpointing at the next step boundary, then leaving" in run.text, run.text[-5000:]
     m = re.search(r"preempted: checkpoint (\S+) at step (\d+) committed", run.text)
@@ -111,16 +106,12 @@ def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_lo
     """`ray job stop` / `docker stop` of the driver: the workers checkpoint at the next step boundary, the
     driver exits 143 with one line; the same command again resumes there and ends bit-identical."""
     args = ["--set", f"run.storage={tmp_path}", "--set", "run.name=stop", *WORKLOAD]
-    run = Run(args)
-    try:
+    with Run(args) as run:
         logged = run.wait_for_step(8)  # early: most of the run is left for the stop to land in
         assert run.proc.poll() is None, run.text[-3000:]
         run.proc.send_signal(signal.SIGTERM)  # the driver only, as Ray's job supervisor does
         signalled_at = time.monotonic()
         rc = run.wait()
-    finally:
-        if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
     assert rc == 143, run.text[-5000:]
     m = re.search(r"stopped: checkpoint (\S+) at step (\d+) committed", run.text)
     assert m, run.text[-5000:]

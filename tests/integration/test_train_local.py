@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from tests.support.evaluation import default_model_eval
 
 pytestmark = pytest.mark.integration
 
@@ -85,9 +86,6 @@ def test_checkpoints_list_and_verify(trained, run_cli):
 
 
 def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path, run_cli):
-    from ray_app.config import load_config
-    from ray_app.plugins import build_data, build_model
-
     _, summary, _ = trained
     rc, out, err = run_cli(["eval", "--checkpoint", summary["checkpoint"]], env=LOCAL_ENV, timeout=600)
     assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
@@ -98,15 +96,7 @@ def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path
     exported = tmp_path / "model.pt"
     rc, _, err = run_cli(["checkpoints", "export", summary["checkpoint"], "--out", str(exported)], timeout=120)
     assert rc == 0, err
-    cfg = load_config(None, [])
-    _, ev, info = build_data(cfg)
-    model = build_model(cfg, info)
-    model.load_state_dict(torch.load(exported, weights_only=True))
-    model.eval()
-    with torch.no_grad():
-        logits = model(ev.tensors[0])
-    accuracy = (logits.argmax(1) == ev.tensors[1]).double().mean().item()
-    loss = F.cross_entropy(logits, ev.tensors[1], reduction="none").double().mean().item()
+    accuracy, loss = default_model_eval(torch.load(exported, weights_only=True))
     assert result["eval_accuracy"] == accuracy
     assert result["eval_accuracy"] == summary["eval_accuracy"]
     assert result["eval_loss"] == pytest.approx(loss, rel=1e-5)

@@ -37,8 +37,8 @@ from ray_app.loop import (
     lr_lambda,
 )
 from ray_app.metrics import NullMetrics
-from ray_app.plugins import build_data, build_model
 from ray_app.storage import LocalStorage
+from tests.support.evaluation import accuracy_and_loss, default_model_eval
 from tests.support.stand_ins import assert_stands_in_for
 
 EVAL_N = 359  # the digits eval set size: divisible by neither 2 nor 3
@@ -76,11 +76,6 @@ def eval_table(n: int = EVAL_N, classes: int = 10):
     logits = torch.randn(n, classes, generator=g) * 3
     targets = torch.randint(0, classes, (n,), generator=g)
     return logits, targets
-
-
-def single_process_eval(logits, targets):
-    losses = F.cross_entropy(logits, targets, reduction="none").double()
-    return (logits.argmax(1) == targets).double().mean().item(), losses.mean().item()
 
 
 UNEQUAL = {0: 3, 1: 10, 2: 1}  # samples per rank for the global-mean check
@@ -291,7 +286,7 @@ def collectives(request, tmp_path_factory, port_picker):
 
 def test_eval_accuracy_and_loss_equal_single_process_exactly(collectives):
     world, ranks = collectives
-    acc, loss = single_process_eval(*eval_table())
+    acc, loss = accuracy_and_loss(*eval_table())
     for r in ranks:  # every rank computes the same global metric
         ev = r["eval"]
         assert ev["num_samples"] == EVAL_N
@@ -469,15 +464,7 @@ def test_training_learns_digits_and_reports_the_summary(trainer_runs):
 def test_trainer_eval_matches_a_single_process_evaluation(trainer_runs):
     ranks, _ = trainer_runs
     s = ranks[0]["ref-accum1"]["summary"]
-    cfg = load_config(None, [])
-    _, ev, info = build_data(cfg)
-    model = build_model(cfg, info)
-    model.load_state_dict(ranks[0]["ref-accum1"]["params"])
-    model.eval()
-    with torch.no_grad():
-        logits = model(ev.tensors[0])
-    acc = (logits.argmax(1) == ev.tensors[1]).double().mean().item()
-    loss = F.cross_entropy(logits, ev.tensors[1], reduction="none").double().mean().item()
+    acc, loss = default_model_eval(ranks[0]["ref-accum1"]["params"])
     assert s["eval_accuracy"] == acc
     assert s["eval_loss"] == pytest.approx(loss, rel=1e-5)  # batch composition moves the last float bits
 
