@@ -1,9 +1,79 @@
 """pyarrow's S3 filesystem with a retry strategy that Ray Train keeps (``ray_app.storage`` uses it for
-the filesystem it hands to Ray Train when ``failure.storage_retry_s`` is set)."""
+the filesystem it hands to Ray Train when ``failure.storage_retry_s`` is set).
+
+Ray Train's controller writes its run state (``checkpoint_manager_snapshot.json``) after each reported
+checkpoint and, keeping ``checkpoint.keep``, looks up the checkpoints it deletes. An error there ends the
+whole run (a worker's error only restarts the group), so those calls are patient: they wait an outage out
+for up to ``CONTROLLER_PATIENCE`` x the retry budget (at least ``CONTROLLER_MIN_S``), one line when
+they start waiting and one when storage answers again.
+"""
 
 from __future__ import annotations
 
+import io
+import re
+import sys
+import time
+
+import pyarrow
 import pyarrow.fs
+
+RUN_STATE_FILES = ("checkpoint_manager_snapshot.json",)  # what Ray Train's controller writes itself
+CONTROLLER_PATIENCE, CONTROLLER_MIN_S = 10, 300.0
+# pyarrow's S3 errors are OSErrors whose text names the AWS error: these are an outage, not a bad request
+UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode|Could not connect|timed out|Timeout|SLOW_DOWN|SlowDown|"
+                         r"SERVICE_UNAVAILABLE|ServiceUnavailable|INTERNAL_FAILURE|InternalError|Throttl")
+
+
+def patiently(call, what: str, budget_s: float):
+    """``call()``, again every few seconds while it raises an OSError that says storage is unreachable
+    (``UNREACHABLE``), for up to ``budget_s``; then the last error. Other errors at once."""
+    deadline, wait, told = time.monotonic() + budget_s, 1.0, None
+    while True:
+        try:
+            result = call()
+        except OSError as exc:
+            if not UNREACHABLE.search(str(exc)) or time.monotonic() + wait > deadline:
+                raise
+            if told is None:
+                told = time.monotonic()
+                print(f"ray-app: storage unreachable while Ray Train's controller {what} ({str(exc)[:160]}); "
+                      f"waiting for it up to {budget_s:.0f} s", file=sys.stderr, flush=True)
+            time.sleep(wait)
+            wait = min(wait * 2, 10.0)
+            continue
+        if told is not None:
+            print(f"ray-app: storage answers again after {time.monotonic() - told:.1f} s; Ray Train's controller "
+                  f"{what}", file=sys.stderr, flush=True)
+        return result
+
+
+class _UploadOnClose(io.RawIOBase):
+    """A small file written in one piece when closed, the whole upload retried (``patiently``)."""
+
+    def __init__(self, handler, path: str, metadata):
+        self.handler, self.path, self.metadata, self.buffer = handler, path, metadata, bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.buffer += b
+        return len(b)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        data = bytes(self.buffer)
+
+        def upload():
+            with self.handler.fs.open_output_stream(self.path, metadata=self.metadata) as out:
+                out.write(data)
+
+        try:
+            patiently(upload, "saves its run state", self.handler.controller_budget_s)
+        finally:
+            super().close()
 
 
 class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
@@ -11,12 +81,16 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     its ``retry_strategy`` when pickled, and Ray Train ships the filesystem to its controller and
     workers. Streams are pyarrow's own, so transfers run at native speed."""
 
-    def __init__(self, kwargs: dict, attempts: int):
-        self.kwargs, self.attempts = dict(kwargs), attempts
+    def __init__(self, kwargs: dict, attempts: int, budget_s: float = 0.0):
+        self.kwargs, self.attempts, self.budget_s = dict(kwargs), attempts, budget_s
         self._fs = None
 
     def __reduce__(self):
-        return RetryingS3Handler, (self.kwargs, self.attempts)
+        return RetryingS3Handler, (self.kwargs, self.attempts, self.budget_s)
+
+    @property
+    def controller_budget_s(self) -> float:
+        return max(CONTROLLER_PATIENCE * self.budget_s, CONTROLLER_MIN_S)
 
     @property
     def fs(self):
@@ -26,7 +100,8 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
         return self._fs
 
     def __eq__(self, other):
-        return isinstance(other, RetryingS3Handler) and (self.kwargs, self.attempts) == (other.kwargs, other.attempts)
+        return isinstance(other, RetryingS3Handler) and \
+            (self.kwargs, self.attempts, self.budget_s) == (other.kwargs, other.attempts, other.budget_s)
 
     def __ne__(self, other):
         return not self == other
@@ -38,6 +113,8 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
         return self.fs.normalize_path(path)
 
     def get_file_info(self, paths):
+        if any(_is_checkpoint_dir(p) for p in paths):  # the controller's look-up before a deletion, too
+            return patiently(lambda: self.fs.get_file_info(paths), "looks up a checkpoint", self.controller_budget_s)
         return self.fs.get_file_info(paths)
 
     def get_file_info_selector(self, selector):
@@ -71,7 +148,13 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
         return self.fs.open_input_file(path)
 
     def open_output_stream(self, path, metadata):
+        if path.rsplit("/", 1)[-1] in RUN_STATE_FILES:
+            return pyarrow.PythonFile(_UploadOnClose(self, path, metadata), mode="w")
         return self.fs.open_output_stream(path, metadata=metadata)
 
     def open_append_stream(self, path, metadata):
         return self.fs.open_append_stream(path, metadata=metadata)
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith("ckpt-s")

@@ -227,7 +227,7 @@ class S3Storage:
             return pyarrow.fs.S3FileSystem(**kwargs)
         from ray_app.s3fs import RetryingS3Handler
 
-        return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, _attempts_for(budget)))
+        return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, _attempts_for(budget), budget))
 
     def ray_storage(self):
         return _join(self.settings.bucket, self.settings.prefix), self.pyarrow_fs()

@@ -1,0 +1,88 @@
+"""The filesystem handed to Ray Train: its controller's run-state writes and checkpoint look-ups wait an
+outage out (an error there would end the run), other calls keep the workers' budget."""
+
+from __future__ import annotations
+
+import pyarrow.fs
+import pytest
+
+from ray_app import s3fs
+
+
+class Flaky:
+    """A local filesystem whose first ``failures`` calls of each kind raise as an unreachable S3 does."""
+
+    def __init__(self, root, failures: int):
+        self.local = pyarrow.fs.SubTreeFileSystem(str(root), pyarrow.fs.LocalFileSystem())
+        self.failures, self.calls = failures, 0
+
+    def _maybe_fail(self):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError("AWS Error NETWORK_CONNECTION: curlCode: 7, Could not connect to server")
+
+    def open_output_stream(self, path, metadata=None):
+        self._maybe_fail()
+        return self.local.open_output_stream(path, metadata=metadata)
+
+    def get_file_info(self, paths):
+        self._maybe_fail()
+        return self.local.get_file_info(paths)
+
+
+def handler_on(fs) -> s3fs.RetryingS3Handler:
+    h = s3fs.RetryingS3Handler({"region": "us-east-1"}, attempts=2, budget_s=1.0)
+    h._fs = fs
+    return h
+
+
+def test_the_run_state_write_waits_the_outage_out(tmp_path, capsys):
+    (tmp_path / "exp").mkdir()
+    flaky = Flaky(tmp_path, failures=2)
+    fs = pyarrow.fs.PyFileSystem(handler_on(flaky))
+    with fs.open_output_stream("exp/checkpoint_manager_snapshot.json") as f:  # as Ray Train's controller does
+        f.write(b'{"checkpoints": []}')
+    assert (tmp_path / "exp" / "checkpoint_manager_snapshot.json").read_bytes() == b'{"checkpoints": []}'
+    assert flaky.calls == 3
+    err = capsys.readouterr().err
+    assert "storage unreachable while Ray Train's controller saves its run state" in err
+    assert "storage answers again after" in err
+
+
+def test_a_checkpoint_look_up_waits_and_other_calls_keep_the_budget(tmp_path):
+    (tmp_path / "ckpt-s000000008-x").mkdir()
+    flaky = Flaky(tmp_path, failures=1)
+    fs = pyarrow.fs.PyFileSystem(handler_on(flaky))
+    assert fs.get_file_info("ckpt-s000000008-x").type == pyarrow.fs.FileType.Directory
+    flaky.calls = 0
+    with pytest.raises(OSError, match="NETWORK_CONNECTION"):
+        fs.get_file_info("elsewhere")  # a worker's listing: its own retry budget, then the group restarts
+    with pytest.raises(OSError, match="NETWORK_CONNECTION"):
+        pyarrow.fs.PyFileSystem(handler_on(Flaky(tmp_path, failures=1))).open_output_stream("ckpt/model.pt")
+
+
+def test_patience_gives_up_with_the_last_error():
+    calls = []
+
+    def down():
+        calls.append(1)
+        raise OSError("still down")
+
+    with pytest.raises(OSError, match="still down"):
+        s3fs.patiently(down, "saves its run state", budget_s=0.5)
+    assert len(calls) == 1  # the next wait (1 s) would pass the budget
+
+    def refused():
+        calls.append(1)
+        raise FileNotFoundError("no such bucket")
+
+    with pytest.raises(FileNotFoundError):  # not an outage: raised at once, whatever the budget
+        s3fs.patiently(refused, "saves its run state", budget_s=60)
+    assert len(calls) == 2
+
+
+def test_the_patience_is_pickled_with_the_handler():
+    import pickle
+
+    h = pickle.loads(pickle.dumps(s3fs.RetryingS3Handler({"region": "r"}, 5, 30.0)))
+    assert h.budget_s == 30.0 and h.controller_budget_s == max(10 * 30.0, s3fs.CONTROLLER_MIN_S)
