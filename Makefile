@@ -37,7 +37,7 @@ test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e ne
 ##@ Test tiers (each one folder of tests/; PYTEST_ARGS="-k s3" to select)
 
 .PHONY: test-unit
-test-unit: venv ## ray_app's own logic, no Ray cluster, about a minute (tests/unit)
+test-unit: venv ## ray_app's own logic, no cluster or server, a few minutes (tests/unit)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 .PHONY: test-deploy
