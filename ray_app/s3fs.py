@@ -3,53 +3,26 @@ the filesystem it hands to Ray Train when ``failure.storage_retry_s`` is set).
 
 Ray Train's controller writes its run state (``checkpoint_manager_snapshot.json``) after each reported
 checkpoint and, keeping ``checkpoint.keep``, looks up the checkpoints it deletes. An error there ends the
-whole run (a worker's error only restarts the group), so those calls are patient: they wait an outage out
-for up to ``CONTROLLER_PATIENCE`` x the retry budget (at least ``CONTROLLER_MIN_S``), one line when
-they start waiting and one when storage answers again.
+whole run (a worker's error only restarts the group), so those calls are patient: ``ray_app.storage``'s
+``Retrying`` waits an outage out for up to ``CONTROLLER_PATIENCE`` x the retry budget (at least
+``CONTROLLER_MIN_S``), one line when it starts waiting and one when storage answers again.
 """
 
 from __future__ import annotations
 
 import io
-import re
-import sys
-import time
 
 import pyarrow
 import pyarrow.fs
 
+from ray_app.storage import Retrying
+
 RUN_STATE_FILES = ("checkpoint_manager_snapshot.json",)  # what Ray Train's controller writes itself
 CONTROLLER_PATIENCE, CONTROLLER_MIN_S = 10, 300.0
-# pyarrow's S3 errors are OSErrors whose text names the AWS error: these are an outage, not a bad request
-UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode|Could not connect|timed out|Timeout|SLOW_DOWN|SlowDown|"
-                         r"SERVICE_UNAVAILABLE|ServiceUnavailable|INTERNAL_FAILURE|InternalError|Throttl")
-
-
-def patiently(call, what: str, budget_s: float):
-    """``call()``, again every few seconds while it raises an OSError that says storage is unreachable
-    (``UNREACHABLE``), for up to ``budget_s``; then the last error. Other errors at once."""
-    deadline, wait, told = time.monotonic() + budget_s, 1.0, None
-    while True:
-        try:
-            result = call()
-        except OSError as exc:
-            if not UNREACHABLE.search(str(exc)) or time.monotonic() + wait > deadline:
-                raise
-            if told is None:
-                told = time.monotonic()
-                print(f"ray-app: storage unreachable while Ray Train's controller {what} ({str(exc)[:160]}); "
-                      f"waiting for it up to {budget_s:.0f} s", file=sys.stderr, flush=True)
-            time.sleep(wait)
-            wait = min(wait * 2, 10.0)
-            continue
-        if told is not None:
-            print(f"ray-app: storage answers again after {time.monotonic() - told:.1f} s; Ray Train's controller "
-                  f"{what}", file=sys.stderr, flush=True)
-        return result
 
 
 class _UploadOnClose(io.RawIOBase):
-    """A small file written in one piece when closed, the whole upload retried (``patiently``)."""
+    """A small file written in one piece when closed, the whole upload retried (the controller's patience)."""
 
     def __init__(self, handler, path: str, metadata):
         self.handler, self.path, self.metadata, self.buffer = handler, path, metadata, bytearray()
@@ -71,7 +44,7 @@ class _UploadOnClose(io.RawIOBase):
                 out.write(data)
 
         try:
-            patiently(upload, "saves its run state", self.handler.controller_budget_s)
+            self.handler.patiently("Ray Train's controller saving its run state", upload)
         finally:
             super().close()
 
@@ -83,7 +56,7 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
 
     def __init__(self, kwargs: dict, attempts: int, budget_s: float = 0.0):
         self.kwargs, self.attempts, self.budget_s = dict(kwargs), attempts, budget_s
-        self._fs = None
+        self._fs = self._patient = None
 
     def __reduce__(self):
         return RetryingS3Handler, (self.kwargs, self.attempts, self.budget_s)
@@ -91,6 +64,16 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     @property
     def controller_budget_s(self) -> float:
         return max(CONTROLLER_PATIENCE * self.budget_s, CONTROLLER_MIN_S)
+
+    def patiently(self, what: str, fn):
+        """``fn()`` retried as the kit's storage calls are, for the controller's longer budget."""
+        if self._patient is None:
+            endpoint = self.kwargs.get("endpoint_override")
+            where = f"s3 at {self.kwargs.get('scheme', 'https')}://{endpoint}" if endpoint else "s3"
+            self._patient = Retrying(self.controller_budget_s, where,
+                                     budget=f"{CONTROLLER_PATIENCE} x failure.storage_retry_s, for Ray Train's controller",
+                                     then="the run ends; the same run again resumes from the newest committed checkpoint")
+        return self._patient(what, fn)
 
     @property
     def fs(self):
@@ -114,7 +97,7 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
 
     def get_file_info(self, paths):
         if any(_is_checkpoint_dir(p) for p in paths):  # the controller's look-up before a deletion, too
-            return patiently(lambda: self.fs.get_file_info(paths), "looks up a checkpoint", self.controller_budget_s)
+            return self.patiently("a look-up of a checkpoint", lambda: self.fs.get_file_info(paths))
         return self.fs.get_file_info(paths)
 
     def get_file_info_selector(self, selector):

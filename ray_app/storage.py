@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -34,9 +35,15 @@ _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeoutException", "In
                     "Throttling", "ThrottlingException", "503", "500", "502", "504"}
 
 
+# pyarrow's S3 errors are OSErrors whose text names the AWS error; these say the store is unreachable
+_PYARROW_TRANSIENT = re.compile(r"NETWORK_CONNECTION|curlCode|Could not connect|timed out|SLOW_DOWN|SlowDown|"
+                                r"SERVICE_UNAVAILABLE|ServiceUnavailable|INTERNAL_FAILURE|InternalError|Throttl")
+
+
 def transient(exc: BaseException) -> bool:
     """True for an error of the store or the network that a later attempt may not see (connection
-    refused or reset, timeouts, throttling, 5xx), looking through boto3's wrappers (S3UploadFailedError)."""
+    refused or reset, timeouts, throttling, 5xx), looking through boto3's wrappers (S3UploadFailedError);
+    pyarrow's S3 errors by their text."""
     from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, IncompleteReadError
 
     seen = set()
@@ -49,6 +56,8 @@ def transient(exc: BaseException) -> bool:
             err = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             return str(err.get("Code", "")) in _TRANSIENT_CODES or int(status) >= 500
+        if type(exc) is OSError and _PYARROW_TRANSIENT.search(str(exc)):
+            return True
         exc = exc.__cause__ or exc.__context__
     return False
 
@@ -56,10 +65,13 @@ def transient(exc: BaseException) -> bool:
 class Retrying:
     """Runs a storage operation again, with exponential backoff and jitter, while it fails with a
     transient error, for at most ``budget_s`` seconds from its first failure; then StorageUnavailable.
-    One line when an outage starts and one when it ends (the store's address, never credentials)."""
+    One line when an outage starts and one when it ends (the store's address, never credentials).
+    ``budget``: how the lines name the budget; ``then``: what follows when it is spent."""
 
-    def __init__(self, budget_s: float, where: str, say=None, sleep=time.sleep, clock=time.monotonic):
-        self.budget_s, self.where = budget_s, where
+    def __init__(self, budget_s: float, where: str, say=None, sleep=time.sleep, clock=time.monotonic,
+                 budget: str = "failure.storage_retry_s",
+                 then: str = "the worker group restarts from the newest committed checkpoint"):
+        self.budget_s, self.where, self.budget, self.then = budget_s, where, budget, then
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.sleep, self.clock = sleep, clock
 
@@ -76,11 +88,10 @@ class Retrying:
                 if first is None:
                     first = now
                     self.say(f"ray-app: storage {self.where} unreachable ({type(exc).__name__}) during {what}; "
-                             f"retrying for up to {self.budget_s:g} s (failure.storage_retry_s)")
+                             f"retrying for up to {self.budget_s:g} s ({self.budget})")
                 if now - first + delay > self.budget_s:
                     raise StorageUnavailable(f"storage {self.where}: no answer for {now - first:.0f} s during {what} "
-                                             f"({type(exc).__name__}); the worker group restarts from the newest "
-                                             "committed checkpoint") from exc
+                                             f"({type(exc).__name__}); {self.then}") from exc
                 self.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(delay * 2, 8.0)
                 continue

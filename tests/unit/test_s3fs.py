@@ -7,6 +7,7 @@ import pyarrow.fs
 import pytest
 
 from ray_app import s3fs
+from ray_app.storage import transient
 
 
 class Flaky:
@@ -45,8 +46,9 @@ def test_the_run_state_write_waits_the_outage_out(tmp_path, capsys):
     assert (tmp_path / "exp" / "checkpoint_manager_snapshot.json").read_bytes() == b'{"checkpoints": []}'
     assert flaky.calls == 3
     err = capsys.readouterr().err
-    assert "storage unreachable while Ray Train's controller saves its run state" in err
-    assert "storage answers again after" in err
+    assert "unreachable (OSError) during Ray Train's controller saving its run state" in err
+    assert "10 x failure.storage_retry_s, for Ray Train's controller" in err
+    assert "answers again after" in err
 
 
 def test_a_checkpoint_look_up_waits_and_other_calls_keep_the_budget(tmp_path):
@@ -61,24 +63,12 @@ def test_a_checkpoint_look_up_waits_and_other_calls_keep_the_budget(tmp_path):
         pyarrow.fs.PyFileSystem(handler_on(Flaky(tmp_path, failures=1))).open_output_stream("ckpt/model.pt")
 
 
-def test_patience_gives_up_with_the_last_error():
-    calls = []
-
-    def down():
-        calls.append(1)
-        raise OSError("still down")
-
-    with pytest.raises(OSError, match="still down"):
-        s3fs.patiently(down, "saves its run state", budget_s=0.5)
-    assert len(calls) == 1  # the next wait (1 s) would pass the budget
-
-    def refused():
-        calls.append(1)
-        raise FileNotFoundError("no such bucket")
-
-    with pytest.raises(FileNotFoundError):  # not an outage: raised at once, whatever the budget
-        s3fs.patiently(refused, "saves its run state", budget_s=60)
-    assert len(calls) == 2
+def test_pyarrows_outage_errors_are_transient_and_its_other_errors_are_not():
+    assert transient(OSError("When initiating multiple part upload for key 'k': AWS Error NETWORK_CONNECTION "
+                             "during CreateMultipartUpload operation: curlCode: 7, Could not connect to server"))
+    assert transient(OSError("AWS Error SLOW_DOWN during PutObject operation"))
+    assert not transient(FileNotFoundError("Path does not exist 'b/k'"))  # a missing bucket: at once
+    assert not transient(OSError("AWS Error ACCESS_DENIED during PutObject operation"))
 
 
 def test_the_patience_is_pickled_with_the_handler():
