@@ -18,30 +18,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _no_dashboard() -> None:
-    """ray.init(address="local", include_dashboard=False): no dashboard process and its 10 head modules."""
-    import ray
-
-    real_init = ray.init
-
-    def init(*args, **kwargs):
-        if kwargs.get("address") == "local":
-            kwargs["include_dashboard"] = False
-            kwargs.pop("dashboard_host", None)
-        return real_init(*args, **kwargs)
-
-    ray.init = init
-
-
 # name -> (environment, wrapper of a Ray call, what it changes)
 VARIANTS = {
     "kit": ({}, None, "the kit as it is"),
-    "no-dashboard": ({}, _no_dashboard, "local Ray without the dashboard (include_dashboard=False)"),
+    "dashboard": ({"RAY_APP_DASHBOARD": "1"}, None,
+                  "local Ray with its dashboard (the kit starts none by default; its head and module processes)"),
     "no-watchers": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, None,
                     "Ray Train without its own metrics callbacks (RAY_TRAIN_METRICS_ENABLED=0) and without the "
                     "preemption watcher (which the kit switches off itself)"),
-    "lean": ({"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}, _no_dashboard,
-             "no-dashboard and no-watchers together"),
     "startup-8": ({"RAY_worker_maximum_startup_concurrency": "8"}, None,
                   "the raylet starts up to 8 worker processes at once (default: the CPU count)"),
     "nice0": ({"RAY_worker_niceness": "0"}, None,

@@ -11,9 +11,11 @@ exception in the user's code into one the driver shows once.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -254,10 +256,35 @@ def init_ray(cfg: Config) -> None:
     else:
         # what the kit binds itself stays on this machine; the workers of the Ray started here inherit it
         os.environ.update(local_bind_env(os.environ))
-        # the dashboard (on 127.0.0.1 only) serves the State API Ray Train's controller polls
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, dashboard_host="127.0.0.1",
-                 logging_level=logging.WARNING)
+        # Ray Train needs no dashboard; starting one (a head process and its ~10 module processes, each
+        # importing Ray) made ray.init wait ~5 s longer on 2 cores. RAY_APP_DASHBOARD=1 starts it, on 127.0.0.1.
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=local_dashboard(os.environ),
+                 dashboard_host="127.0.0.1", logging_level=logging.WARNING)
     _check_capacity(cfg, ray.cluster_resources(), bool(address))
+
+
+DASHBOARD_ENV = "RAY_APP_DASHBOARD"
+
+
+def local_dashboard(environ) -> bool:
+    """Whether a local Ray started by the kit runs Ray's dashboard (``RAY_APP_DASHBOARD=1``; off by default)."""
+    return environ.get(DASHBOARD_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def import_in_background(*modules: str) -> threading.Thread:
+    """Import ``modules`` on a thread while the main thread waits on something else (``ray.init`` waits
+    on the processes it starts): torch and Ray Train take ~3.5 s of the driver's start-up on 2 cores.
+    An import that fails here is left to the main thread's own import, which raises it there."""
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: B036 - the main thread's import reports it
+                return
+
+    thread = threading.Thread(target=run, name="ray-app-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 def local_bind_env(environ) -> dict[str, str]:
@@ -333,14 +360,28 @@ LEAN_DROPPED_CALLBACKS = ("DatasetsCallback", "PlacementGroupCleanerCallback")
 
 @functools.cache
 def lean_trainer_class():
-    """``TorchTrainer`` without the callbacks in ``LEAN_DROPPED_CALLBACKS`` and with the kit's failure policy
-    (``ray_app.failure_policy``). Built on first use: importing ray.train.torch imports torch, which the
-    CLI does not need for other commands."""
+    """``TorchTrainer`` without the callbacks in ``LEAN_DROPPED_CALLBACKS``, with the kit's failure policy
+    (``ray_app.failure_policy``), and, where ``without_autoscaler`` is set on it, without Ray's autoscaling
+    coordinator (``ray_app.scaling_policy``). Built on first use: importing ray.train.torch
+    imports torch, which the CLI does not need for other commands. The hooks it overrides are Ray Train
+    V2's (Ray 2.60, the version the kit pins); without them the kit stops rather than run without its
+    failure policy."""
     from ray.train.torch import TorchTrainer
 
     from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.scaling_policy import without_autoscaler
+
+    missing = [h for h in ("_create_default_callbacks", "_initialize_and_run_controller")
+               if not callable(getattr(TorchTrainer, h, None))]
+    if missing:
+        import ray
+
+        raise RuntimeError(f"Ray {ray.__version__}'s TorchTrainer has no {', '.join(missing)}: the kit needs "
+                           "Ray Train V2 as in Ray 2.60 (pip install 'ray[train,default]==2.60.*')")
 
     class LeanTorchTrainer(TorchTrainer):
+        without_autoscaler = False  # set for a Ray the kit started itself: nothing to ask for resources
+
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             drop = set(LEAN_DROPPED_CALLBACKS) - ({"DatasetsCallback"} if self.datasets else set())
@@ -348,10 +389,10 @@ def lean_trainer_class():
 
         def _initialize_and_run_controller(self, **kwargs):
             kwargs["failure_policy"] = KitFailurePolicy(self.run_config.failure_config)
+            if self.without_autoscaler:
+                kwargs["scaling_policy"] = without_autoscaler(kwargs["scaling_policy"])
             return super()._initialize_and_run_controller(**kwargs)
 
-    if not callable(getattr(TorchTrainer, "_create_default_callbacks", None)):
-        return TorchTrainer  # a Ray without this hook: its defaults, unchanged
     return LeanTorchTrainer
 
 
@@ -470,8 +511,11 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     resume that trains nothing, empty with checkpoints off or in eval. Rank 0 hands over its result
     through a queue instead.
     """
+    # the driver's own torch and Ray Train imports run while ray.init waits on the processes it starts
+    imports = import_in_background("torch", "ray.train.torch", "ray_app.failure_policy", "ray_app.scaling_policy")
     init_ray(cfg)
     ray_ready = time.time()
+    imports.join()
     import ray
     from ray.train import TrainingFailedError
 
@@ -480,6 +524,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     results = driver_node_queue()
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd())
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
+    trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     try:
         # the driver's SIGTERM (`ray job stop`, `docker stop`): the workers checkpoint, then the run stops
         with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train"):

@@ -106,6 +106,38 @@ def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
     assert seen["failure_policy"].failure_config.max_failures == 5
 
 
+def test_a_ray_started_here_has_no_autoscaling_coordinator(monkeypatch, tmp_path):
+    """On a local Ray (no autoscaler) the controller gets Ray's fixed-size policy minus the coordinator
+    actor; an elastic run and a cluster run keep Ray's own policy."""
+    from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+    from ray_app.scaling_policy import FixedPolicyWithoutAutoscaler
+
+    lean = lean_trainer_class()
+    base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
+    assert "scaling_policy=create_scaling_policy(" in inspect.getsource(base.fit)  # the keyword replaced
+    seen = {}
+    monkeypatch.setattr(base, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw))
+
+    def policy_given(trainer):
+        trainer._initialize_and_run_controller(scaling_policy=create_scaling_policy(trainer.scaling_config))
+        return seen["scaling_policy"]
+
+    fixed = _trainer(load_config(None, [f"run.storage={tmp_path}"]), storage_path=str(tmp_path))
+    assert type(policy_given(fixed)) is FixedScalingPolicy  # a cluster (RAY_ADDRESS): Ray's own
+    fixed.without_autoscaler = True
+    policy = policy_given(fixed)
+    assert type(policy) is FixedPolicyWithoutAutoscaler and policy.scaling_config is fixed.scaling_config
+    policy.after_controller_start(train_run_context=None)  # creates no actor, sends nothing
+    policy._maybe_send_resource_request()
+    policy.make_decision_for_non_running_worker_group()
+    elastic = _trainer(load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3",
+                                          "scaling.min_workers=2"]), storage_path=str(tmp_path))
+    elastic.without_autoscaler = True
+    assert type(policy_given(elastic)) is not FixedPolicyWithoutAutoscaler
+
+
 # ---------------------------------------------------------------- the driver shows a worker's failure
 
 class _GroupError(Exception):

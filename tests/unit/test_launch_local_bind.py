@@ -63,7 +63,15 @@ def test_the_local_ray_starts_with_the_loopback_environment(fake_ray):
     launch.init_ray(Config())
     (kwargs, env), = fake_ray.calls
     assert kwargs["address"] == "local" and kwargs["dashboard_host"] == "127.0.0.1"
+    assert kwargs["include_dashboard"] is False  # Ray Train needs none; it cost ~5 s of ray.init
     assert env["GLOO_SOCKET_IFNAME"] == launch.loopback_interface() and env[BIND_ENV] == "127.0.0.1"
+
+
+def test_the_dashboard_of_a_local_run_is_asked_for(fake_ray, monkeypatch):
+    monkeypatch.setenv(launch.DASHBOARD_ENV, "1")
+    launch.init_ray(Config())
+    (kwargs, _), = fake_ray.calls
+    assert kwargs["include_dashboard"] is True and kwargs["dashboard_host"] == "127.0.0.1"
 
 
 def test_a_cluster_run_leaves_the_workers_binding_to_the_cluster(fake_ray, monkeypatch):
