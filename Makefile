@@ -31,8 +31,12 @@ train: venv ## Train the default config (local Ray, 2 CPU workers, ./runs); CONF
 	$(VENV)/bin/ray-app train --config $(CONFIG) $(ARGS)
 
 .PHONY: test
-test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker); CI's run, prints the slowest 25
+	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
+
+.PHONY: test-long
+test-long: venv ## The soaks and long variants CI leaves out: chaos with 20 faults, every bench case's smoke (about an hour)
+	$(PY) -m pytest tests -m long --durations=25 $(PYTEST_ARGS)
 
 ##@ Test tiers (each one folder of tests/; PYTEST_ARGS="-k s3" to select)
 

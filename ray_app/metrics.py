@@ -66,6 +66,11 @@ LEGACY_EVAL_GAUGES = {"loss": "ray_app_eval_loss", "accuracy": "ray_app_eval_acc
 # Discovery for the cluster of containers (docs/metrics.md): when this is set,
 # rank 0 announces its endpoint in a Prometheus file_sd file in that folder.
 SD_DIR_ENV = "RAY_APP_METRICS_SD_DIR"
+# A run's last values (a short job's resumed step, its final loss) must not end before Prometheus reads
+# them: on a clean close, an exporter someone watches (a scrape seen, or a file_sd target announced)
+# keeps serving until one scrape after its last update, for at most this many seconds (0: close at once).
+FINAL_SCRAPE_ENV = "RAY_APP_METRICS_FINAL_SCRAPE_S"
+FINAL_SCRAPE_S = 20.0  # Prometheus' default scrape interval is 15 s; file_sd refreshes every 5 s
 # The host Prometheus should scrape (default: the bound address, or this host's IP address).
 ADVERTISE_HOST_ENV = "RAY_APP_METRICS_HOST"
 # The address the exporter binds: all interfaces unless set. A local run (the kit starts Ray itself)
@@ -145,8 +150,18 @@ class PrometheusMetrics(NullMetrics):
     def __init__(self, port: int, bind: str | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        class ScrapedRegistry(CollectorRegistry):
+            """Notes when a scrape has read every series."""
+
+            scraped_at: float | None = None
+
+            def collect(self):
+                yield from super().collect()
+                self.scraped_at = time.monotonic()
+
         self.port, self.bind = port, bind or bind_address()
-        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.registry = reg = ScrapedRegistry(auto_describe=True)
+        self.updated_at = time.monotonic()
         self._server = self._thread = self._sd_target = None
         self.serving_port = None
         h = {k: v[1] for k, v in METRICS.items()}
@@ -187,6 +202,7 @@ class PrometheusMetrics(NullMetrics):
         self.global_step.set(global_step)
         self.epoch.set(epoch)
         self.group_starts.inc()
+        self.updated_at = time.monotonic()
         if not use_gpu:  # GPU gauges only appear on GPU runs
             self.registry.unregister(self.gpu_alloc)
             self.registry.unregister(self.gpu_max)
@@ -238,6 +254,7 @@ class PrometheusMetrics(NullMetrics):
         self.train_loss.set(train_loss)
         self.samples.inc(samples)
         self.samples_per_second.set(samples_per_second)
+        self.updated_at = time.monotonic()
 
     def on_eval(self, values: Mapping[str, float]) -> None:
         """``values``: {metric name: mean over the distinct eval samples}, names without the ``eval_`` prefix."""
@@ -246,16 +263,36 @@ class PrometheusMetrics(NullMetrics):
             self.eval_metric.labels(name=name).set(value)
             if name in self.legacy_eval:
                 self.legacy_eval[name].set(value)
+        self.updated_at = time.monotonic()
 
     def on_checkpoint(self, *, blocked_seconds) -> None:
         self.ckpt_blocked.observe(blocked_seconds)
         self.last_ckpt.set(time.time())
+        self.updated_at = time.monotonic()
 
     def on_gpu_memory(self, *, allocated, max_allocated) -> None:
         self.gpu_alloc.set(allocated)
         self.gpu_max.set(max_allocated)
 
+    def final_scrape(self) -> bool:
+        """Wait, if someone watches this exporter, until a scrape read the last update (at most
+        $RAY_APP_METRICS_FINAL_SCRAPE_S, default FINAL_SCRAPE_S); whether that scrape came."""
+        if self._server is None or (self.registry.scraped_at is None and self._sd_target is None):
+            return False  # nobody scrapes: nothing to wait for
+        try:
+            window = float(os.environ.get(FINAL_SCRAPE_ENV, FINAL_SCRAPE_S))
+        except ValueError:
+            window = FINAL_SCRAPE_S
+        deadline = time.monotonic() + window
+        while (self.registry.scraped_at or 0) <= self.updated_at:
+            if time.monotonic() >= deadline:
+                log.info("metrics: no scrape within %.0f s of the last update; closing", window)
+                return False
+            time.sleep(0.1)
+        return True
+
     def close(self) -> None:
+        self.final_scrape()
         if self._sd_target is not None:
             self._sd_target.remove()
             self._sd_target = None

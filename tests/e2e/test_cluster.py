@@ -205,7 +205,9 @@ def test_killed_worker_container_resumes_from_newest_checkpoint(cluster, referen
     assert summary["global_step"] == EPOCHS * interval and summary["epochs"] == EPOCHS
     assert re.search(rf"resumed from s3://ray-app/runs/{run}/ckpt-s0*{resumed}-", logs), logs[-5000:]
 
-    # Prometheus saw the resumed worker group's rank 0 export the step it resumed from.
+    # Prometheus saw the resumed worker group's rank 0 export the step it resumed from: the job may end
+    # seconds after the resume, and its exporter waits for a scrape of its last values before it closes
+    # (ray_app/metrics.py, the final scrape), so they are there by the time the job has ended.
     window = int(time.monotonic() - killed_at) + 5
     seen = wait_until(lambda: cluster.prometheus.query(f"max_over_time(ray_app_resumed_from_step[{window}s]) > 0"),
                       30, what="ray_app_resumed_from_step > 0 in Prometheus")
@@ -245,10 +247,6 @@ def test_stopped_worker_container_checkpoints_at_the_sigterm_and_no_step_is_lost
     print(f"\n[e2e] docker stop -t 30 of rank 0's container: checkpoint at step {step} (batch "
           f"{resumed.group(1)} of its epoch), container gone in {stop_seconds:.1f}s (exit {exit_code}); "
           f"job finished in {time.monotonic() - t0:.1f}s")
-    window = int(time.monotonic() - stopped_at) + 5
-    seen = wait_until(lambda: cluster.prometheus.query(f"max(max_over_time(ray_app_resumed_from_step[{window}s])) > 0"),
-                      30, what="ray_app_resumed_from_step > 0 in Prometheus")  # only this job ran since the stop
-    assert float(seen[0]["value"][1]) == step
     assert_bit_identical(final_parameters(cluster, summary), reference)
 
 

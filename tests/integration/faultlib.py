@@ -84,15 +84,19 @@ class Run:
         return [int(m) for m in re.findall(r"epoch \d+ step (\d+)/", self.text)]
 
     def wait_for_step(self, step: int, timeout: float = 300) -> list[int]:
-        """Until a progress line at ``step`` or later (or the driver ends); the steps logged by then."""
+        """Until a progress line at ``step`` or later; the steps logged by then. Fails here, with what was
+        seen, if the driver ends or ``timeout`` passes first."""
         deadline = time.monotonic() + timeout
-        logged: list[int] = []
-        while time.monotonic() < deadline and self.proc.poll() is None:
+        while True:
             logged = self.logged_steps()
             if logged and logged[-1] >= step:
-                break
+                return logged
+            rc = self.proc.poll()
+            if rc is not None or time.monotonic() >= deadline:
+                ended = f"the driver exited {rc}" if rc is not None else f"{timeout:.0f}s passed"
+                raise AssertionError(f"waiting for step {step}: {ended}; steps logged: {logged[-10:]}\n"
+                                     + self.text[-3000:])
             time.sleep(0.05)
-        return logged
 
     def workers(self) -> list[psutil.Process]:
         return train_workers(self.proc.pid)

@@ -1,14 +1,12 @@
 """Faults beyond a killed worker, on a local Ray (CPU, gloo).
 
-- a SIGTERM to a worker mid-epoch (a preemption notice): every rank agrees at the next step boundary,
-  checkpoints there, and the restarted group resumes from that step: none lost, and the restart does
-  not count against ``failure.max_failures`` (0 here);
 - a rank SIGSTOPped mid-epoch: the others' collectives give up after ``failure.hang_timeout_s``, Ray
   Train restarts the group from the newest checkpoint, the stopped process is killed;
 - a SIGTERM to the driver: the workers checkpoint at the next step boundary and the run stops (143);
   the same command again resumes there;
 
-each run ends on the uninterrupted run's parameters, bit for bit.
+each run ends on the uninterrupted run's parameters, bit for bit. A SIGTERM to a worker (a preemption
+notice) is test_chaos.py's.
 """
 
 from __future__ import annotations
@@ -68,37 +66,14 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
     seconds = resumed_at - stopped_at
     print(f"\n[faults] SIGSTOP -> resumed group loaded its checkpoint in {seconds:.1f}s "
           f"(hang_timeout_s {HANG_TIMEOUT_S}, so {seconds - HANG_TIMEOUT_S:.1f}s of detection slack and restart)")
-    assert HANG_TIMEOUT_S - 1 <= seconds <= HANG_TIMEOUT_S + 90, seconds  # not torch's 30 minutes
+    # detected by the hang timeout, not before it, and not by torch's default of 30 minutes: the upper
+    # bound leaves a loaded machine minutes for the restart and the checkpoint load
+    assert HANG_TIMEOUT_S - 1 <= seconds <= HANG_TIMEOUT_S + 600, seconds
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE  # the stopped process was killed
 
     summary = summary_of(run.text)
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert summary["resumed_from_step"] >= max(before) > STEPS_PER_EPOCH, (summary, before)
-    assert_bit_identical(final_model(summary), reference)
-
-
-def test_a_sigterm_to_a_worker_checkpoints_at_the_next_step_and_no_completed_step_is_lost(reference, tmp_path):
-    with Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=term", *WORKLOAD,
-              "--set", "failure.max_failures=0"]) as run:  # only epoch checkpoints: the SIGTERM's is its own
-        logged = run.wait_for_step(STEPS_PER_EPOCH + 8)  # mid-way through the second epoch
-        workers = run.workers()
-        assert len(workers) == 2 and run.proc.poll() is None, (workers, run.text[-3000:])
-        workers[0].send_signal(signal.SIGTERM)
-        signalled_at = time.monotonic()
-        rc = run.wait()
-    assert rc == 0, run.text[-5000:]
-    assert "ray-app: SIGTERM: checkpointing at the next step boundary, then leaving" in run.text, run.text[-5000:]
-    m = re.search(r"preempted: checkpoint (\S+) at step (\d+) committed", run.text)
-    assert m, run.text[-5000:]
-    step = int(m.group(2))
-    assert step % STEPS_PER_EPOCH and step >= logged[-1], (step, logged)  # mid-epoch, after the last step seen
-    committed_at = run.first(r"preempted: checkpoint")
-    resumed_at = run.first(rf"resumed from \S+ckpt-s0*{step}-")
-    assert resumed_at is not None, run.text[-5000:]
-    print(f"\n[faults] SIGTERM -> checkpoint at step {step} committed in {committed_at - signalled_at:.1f}s, "
-          f"the restarted group resumed from it {resumed_at - signalled_at:.1f}s after the signal")
-    summary = summary_of(run.text)
-    assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert_bit_identical(final_model(summary), reference)
 
 

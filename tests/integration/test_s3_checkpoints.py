@@ -1,16 +1,15 @@
 """Checkpoints on a real S3 API server (moto_server over HTTP on 127.0.0.1).
 
-Shows: preflight fails fast with exit 2; a SIGKILLed worker and a stopped,
-resubmitted run both end bit-identical to an uninterrupted run; a broken
-checkpoint is never loaded and nothing in the bucket is changed by trying.
+Shows: preflight fails fast with exit 2; a run whose whole job was lost, resubmitted, ends
+bit-identical to an uninterrupted run; a broken checkpoint is never loaded and nothing in the bucket
+is changed by trying. (A SIGKILLed worker on S3: tests/e2e/test_cluster.py; stopped mid-epoch and
+resubmitted: tests/integration/test_faults.py.)
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,6 @@ import pytest
 import torch
 
 from tests.integration.s3server import start_s3_server
-from tests.support.processes import train_workers
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +88,9 @@ def test_preflight_fails_fast_with_exit_2(s3, case, tmp_path):
     rc, out, err = ray_app(["train", "--set", f"run.storage={storage}", "--set", "run.name=pre"], env, timeout=60)
     elapsed = time.monotonic() - t0
     assert rc == 2, (out, err)
-    assert elapsed < 10, f"preflight took {elapsed:.1f}s"
+    # fails at once rather than retrying for failure.storage_retry_s (120 s) or starting Ray; the bound
+    # leaves a loaded machine room for the interpreter's start-up
+    assert elapsed < 60, f"preflight took {elapsed:.1f}s"
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and "Traceback" not in err, err
     message = lines[0]
@@ -126,43 +126,6 @@ def reference(s3):
     return model_state(s3, summary["checkpoint"])
 
 
-def test_worker_sigkill_mid_epoch_resumes_bit_identical(s3, reference):
-    """A training worker is SIGKILLed after a mid-epoch (step) checkpoint; Ray Train restarts the group.
-
-    Uploads are async here: a checkpoint whose upload the kill interrupted has no
-    manifest and is skipped; the newest committed one is used."""
-    storage, run = f"s3://{s3.bucket}/kill", "kill"
-    args = ["train", "--set", f"run.storage={storage}", "--set", f"run.name={run}",
-            "--set", "checkpoint.every_steps=12", "--set", "checkpoint.upload=async", *WORKLOAD]
-    proc = subprocess.Popen([sys.executable, "-m", "ray_app", *args], cwd=REPO, env=s3.env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        target = None
-        while time.time() < deadline and proc.poll() is None:
-            steps = committed_steps(s3, f"kill/{run}/")
-            mid = [s for s in steps if s % STEPS_PER_EPOCH and s > STEPS_PER_EPOCH]
-            if mid:
-                target = max(steps)
-                break
-            time.sleep(0.1)
-        assert target is not None, "no mid-epoch checkpoint appeared"
-        workers = train_workers(proc.pid)
-        assert len(workers) == 2, workers
-        victim = workers[-1]
-        os.kill(victim.pid, signal.SIGKILL)  # from outside, like a real crash
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
-    summary = summary_of(out)
-    assert "resumed from" in out
-    assert summary["resumed_from_step"] >= target, (summary, target)  # lost at most one interval
-    assert summary["global_step"] == 4 * STEPS_PER_EPOCH
-    assert_bit_identical(model_state(s3, summary["checkpoint"]), reference)
-
-
 def test_stopped_run_resubmitted_resumes_bit_identical_from_epoch_checkpoint(s3, reference):
     """The whole job is killed (driver and its Ray) after an epoch checkpoint, then resubmitted."""
     storage, run = f"s3://{s3.bucket}/stop", "stop"
@@ -190,21 +153,6 @@ def test_stopped_run_resubmitted_resumes_bit_identical_from_epoch_checkpoint(s3,
     assert rc == 0, err[-3000:]
     summary = summary_of(out)
     assert summary["resumed_from_step"] == max(steps_before)
-    assert_bit_identical(model_state(s3, summary["checkpoint"]), reference)
-
-
-def test_stopped_mid_epoch_resubmitted_resumes_bit_identical(s3, reference):
-    """Stop after a mid-epoch step checkpoint (train.max_steps), resubmit without the limit."""
-    storage, run = f"s3://{s3.bucket}/step", "step"
-    base = ["train", "--set", f"run.storage={storage}", "--set", f"run.name={run}", *WORKLOAD]
-    rc, out, err = ray_app([*base, "--set", "train.max_steps=45"], s3.env())
-    assert rc == 0, err[-3000:]
-    first = summary_of(out)
-    assert first["global_step"] == 45 and first["checkpoint"].split("/ckpt-s")[1].startswith("000000045")
-    rc, out, err = ray_app(base, s3.env())
-    assert rc == 0, err[-3000:]
-    summary = summary_of(out)
-    assert summary["resumed_from_step"] == 45
     assert_bit_identical(model_state(s3, summary["checkpoint"]), reference)
 
 

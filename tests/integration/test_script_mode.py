@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ddp_script import lines_of, write_scripts
-from tests.support.processes import run_cli, token_ray_head, train_workers
+from tests.support.processes import run_cli, train_workers
 
 pytestmark = pytest.mark.integration
 
@@ -115,13 +115,6 @@ def test_a_script_that_raises_exits_1_with_its_traceback_once_and_is_not_retried
 
 
 # ---------------------------------------------------------------- a cluster: ray job submit
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory, port_picker):
-    """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs)."""
-    with token_ray_head(tmp_path_factory.mktemp("ray-home"), port_picker(), port_picker(), {"OMP_NUM_THREADS": "1"}) as head:
-        yield head
-
 
 def test_ray_job_submit_with_the_working_dir_runs_the_same_script(project, ray_head, reference, tmp_path):
     entry = ["ray-app", "run", "--set", f"run.storage={tmp_path}", "train.py", *EPOCHS]

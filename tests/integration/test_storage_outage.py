@@ -86,7 +86,8 @@ def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
     assert re.search(r"ray-app: storage s3://\S+ at http://127\.0\.0\.1:\d+ unreachable \(\w+\) during upload of "
                      rf"{run}/ckpt-s\d+-\S+/model\.pt; retrying for up to 120 s", text), text[-4000:]
     waited = [float(x) for x in re.findall(r"answers again after ([\d.]+) s", text)]
-    assert waited and 20 <= max(waited) <= 60, waited  # waited the outage out (25 s from the reset)
+    # waited the outage out (25 s from the reset), within the budget: backoff on a loaded machine may overshoot
+    assert waited and 20 <= max(waited) <= 120, waited
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH and summary["resumed_from_step"] == 0
     assert "resumed from" not in text  # no restart was needed

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.processes import run_cli, token_ray_head
+from tests.support.processes import run_cli
 from tests.support.user_project import N_EVAL, write_project
 
 pytestmark = pytest.mark.integration
@@ -222,13 +222,6 @@ def test_bad_plug_in_exits_2_with_one_line_before_ray_starts(project, config, ov
 
 
 # ---------------------------------------------------------------- a cluster: job submit, worker-side errors
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory, port_picker):
-    """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs)."""
-    with token_ray_head(tmp_path_factory.mktemp("ray-home"), port_picker(), port_picker()) as head:
-        yield head
-
 
 def test_ray_job_submit_with_the_working_dir(project, ray_head, tmp_path):
     storage = tmp_path / "job-runs"

@@ -56,19 +56,60 @@ def train_workers(pid: int) -> list:
     return found
 
 
+MARKER = "RAY_APP_TEST_CLUSTER"  # in the environment of every process of a head a test started
+
+
+def processes_marked(marker: str) -> list:
+    """This user's processes whose environment holds ``RAY_APP_TEST_CLUSTER=marker``: the head's GCS,
+    raylet, dashboard and monitors, its workers and job drivers (they inherit it), and nothing else."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARKER) == marker:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def stop_marked(marker: str, grace_s: float = 15) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace_s``, every process carrying ``marker``; the pids still there after."""
+    import psutil
+
+    for _ in range(3):  # a process may start another while the first ones stop
+        procs = [p for p in processes_marked(marker) if p.pid != os.getpid()]
+        if not procs:
+            return []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in processes_marked(marker)]
+
+
 @contextlib.contextmanager
 def token_ray_head(home: Path, gcs: int, dashboard: int, extra_env: dict | None = None):
-    """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs); yields its env and addresses."""
+    """``ray start --head`` with token auth, dashboard on 127.0.0.1 (2 CPUs); yields its env and addresses.
+
+    Stopped by its own processes (``stop_marked``), never ``ray stop``, which stops every Ray on the machine."""
     import secrets
 
     bin_dir = Path(sys.executable).parent
+    marker = secrets.token_hex(8)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))},
-           "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), MARKER: marker,
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
     start = [str(bin_dir / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
              f"--dashboard-port={dashboard}", "--disable-usage-stats", "--include-dashboard=true"]
-    subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
     try:
+        subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
         yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
     finally:
-        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        left = stop_marked(marker)
+        assert not left, f"processes of the test's Ray head still running: {left}"

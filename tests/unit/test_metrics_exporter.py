@@ -52,6 +52,12 @@ def drive(m: PrometheusMetrics, use_gpu: bool = True, run: str = "unit-run", eva
     m.on_checkpoint(blocked_seconds=0.08)
 
 
+@pytest.fixture(autouse=True)
+def no_final_scrape_window(monkeypatch):
+    """Close at once unless a test sets the window itself: no Prometheus here comes for the last values."""
+    monkeypatch.setenv("RAY_APP_METRICS_FINAL_SCRAPE_S", "0")
+
+
 @pytest.fixture
 def exporter():
     """A started exporter with every metric (GPU gauges included) and its /metrics text."""
@@ -329,3 +335,47 @@ def test_served_series_carry_exactly_the_documented_labels(exporter):
     assert labels.keys() <= METRICS.keys()
     assert {name: tuple(sorted(names)) for name, names in labels.items()} == \
         {name: tuple(sorted(METRIC_LABELS.get(name, ()))) for name in labels}
+
+
+# ---------------------------------------------------------------- the final scrape
+
+def test_a_watched_exporter_closes_only_after_a_scrape_read_its_last_values(monkeypatch):
+    """A short job's last values (its resumed step, its final loss) reach Prometheus before the exporter goes."""
+    import threading
+    import time
+
+    monkeypatch.setenv("RAY_APP_METRICS_FINAL_SCRAPE_S", "30")
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m)
+    scrape(m.serving_port)  # Prometheus watches this exporter
+    m.on_progress(epoch=1, global_step=77, lr=0.05, train_loss=0.25, samples=64, samples_per_second=5120.0)
+    closer = threading.Thread(target=m.close)
+    closer.start()
+    time.sleep(1.0)
+    assert closer.is_alive(), "closed before any scrape read the last update"
+    text = scrape(m.serving_port)
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert re.search(r"^ray_app_global_step 77\.0$", text, flags=re.M), text
+    with pytest.raises(OSError):
+        scrape(m.port)
+
+
+def test_an_exporter_nobody_scrapes_closes_at_once_and_a_watched_one_within_its_window(monkeypatch, tmp_path):
+    import time
+
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m)
+    t0 = time.monotonic()
+    m.close()  # no scrape, no file_sd target: no one to wait for
+    assert time.monotonic() - t0 < 1
+
+    monkeypatch.setenv(SD_DIR_ENV, str(tmp_path))  # announced, but Prometheus never comes
+    monkeypatch.setenv("RAY_APP_METRICS_FINAL_SCRAPE_S", "1.5")
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    drive(m)
+    assert list(tmp_path.glob("*.json"))
+    t0 = time.monotonic()
+    m.close()
+    assert 1.4 <= time.monotonic() - t0 < 5
+    assert not list(tmp_path.glob("*.json"))  # the target withdrawn after the window
