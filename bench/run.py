@@ -113,7 +113,9 @@ class Plan:
             "a": {"kit": kit(w["compute"]), "twin": twin(w["compute"])},
             "b": {"kit": kit(w["comm"]), "twin": twin(w["comm"])},
             "c": {"kit cold": kit(startup, launch="cold", cpu_sample=True), "twin": twin(startup, cpu_sample=True),
-                  "kit warm": kit(startup, launch="warm", cpu_sample=True)},
+                  "kit warm": kit(startup, launch="warm", cpu_sample=True),
+                  # the default job as a new user runs it (configs/local.yaml: digits, 2 workers, checkpoints)
+                  "kit default": kit((), launch="cold", cpu_sample=True), "twin default": twin((), cpu_sample=True)},
             "d": {name: kit(o, storage="s3", scrape_every=scrape, cpu_sample=True) for name, o in ckpt.items()},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
@@ -360,7 +362,35 @@ def rows_c(r: Runner) -> list[dict]:
         gap = k - t if k is not None and t is not None else None
         out.append(_row("c", f"time to first step, {name} (s; ratio column = kit - twin)", k, t, gap,
                         f"<= +{limit:g} s", gap is not None and gap <= limit))
-    return out + rows_tail(r)
+    return out + rows_default_job(r) + rows_tail(r)
+
+
+def ready_to_first_step_s(run: dict):
+    """Ray ready (the driver's ray.init returned) -> the first optimizer step, from the run's own timeline."""
+    t = (run.get("summary") or {}).get("timeline") or {}
+    ready, first = t.get("ray_ready_unix"), t.get("first_step_unix")
+    return first - ready if ready and first else None
+
+
+def rows_default_job(r: Runner) -> list[dict]:
+    """The default job (configs/local.yaml) under `ray-app train` and under torchrun: the whole wall clock,
+    Ray ready -> first step, and end of training -> exit."""
+    kit, twin = r.runs("c", "kit default"), r.runs("c", "twin default")
+    if not kit or not twin:
+        return []
+    kw, tw = med(kit, "wall_s"), med(twin, "wall_s")
+    q = parse.ratio(kw, tw)
+    ready = parse.median(ready_to_first_step_s(x) for x in kit)
+    kt, tt = parse.median(tail_s(x) for x in kit), parse.median(tail_s(x) for x in twin)
+    gap = kt - tt if kt is not None and tt is not None else None
+    return [
+        _row("c", "the default job, wall clock from start to exit (s; ratio = kit / twin)", kw, tw, q, "<= 1.6",
+             q is not None and q <= 1.6, paired(kit, twin, "wall_s") + " (kit / twin)"),
+        _row("c", "the default job, Ray ready -> first step (s)", ready, None, None, "<= 8 s",
+             ready is not None and ready <= 8.0),
+        _row("c", "the default job, end of training -> process exit (s; ratio = kit - twin)", kt, tt, gap,
+             "<= +2 s", gap is not None and gap <= 2.0),
+    ]
 
 
 def tail_s(run: dict):

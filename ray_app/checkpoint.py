@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ray_app.storage import StorageError, split_uri
+from ray_app.errors import StorageError
+from ray_app.storage import split_uri
 
 log = logging.getLogger("ray_app.checkpoint")
 

@@ -258,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
 
     from ray_app.config import ConfigError
+    from ray_app.errors import StorageError
     from ray_app.launch import RunStopped, TrainingFailed, UserError
-    from ray_app.storage import StorageError
 
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:

@@ -449,7 +449,8 @@ def validate_before_ray(cfg: Config) -> None:
 
 def preflight_run(cfg: Config):
     """Everything that can be checked before a worker starts. Returns the storage."""
-    from ray_app.storage import StorageError, open_storage, preflight
+    from ray_app.errors import StorageError
+    from ray_app.storage import open_storage, preflight
 
     validate_before_ray(cfg)
     storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast

@@ -1,9 +1,9 @@
-"""pyarrow's S3 filesystem with a retry strategy that Ray Train keeps (``ray_app.storage`` uses it for
-the filesystem it hands to Ray Train when ``failure.storage_retry_s`` is set).
+"""The pyarrow S3 filesystem the kit hands to Ray Train (``pyarrow_s3``), with a retry strategy Ray
+Train keeps when ``failure.storage_retry_s`` is set.
 
 Ray Train's controller writes its run state (``checkpoint_manager_snapshot.json``) after each reported
 checkpoint and, keeping ``checkpoint.keep``, looks up the checkpoints it deletes. An error there ends the
-whole run (a worker's error only restarts the group), so those calls are patient: ``ray_app.storage``'s
+whole run (a worker's error only restarts the group), so those calls are patient: ``ray_app.retry``'s
 ``Retrying`` waits an outage out for up to ``CONTROLLER_PATIENCE`` x the retry budget (at least
 ``CONTROLLER_MIN_S``), one line when it starts waiting and one when storage answers again.
 """
@@ -11,14 +11,29 @@ whole run (a worker's error only restarts the group), so those calls are patient
 from __future__ import annotations
 
 import io
+from urllib.parse import urlparse
 
 import pyarrow
 import pyarrow.fs
 
-from ray_app.storage import Retrying
+from ray_app.retry import Retrying, sdk_attempts_for
 
 RUN_STATE_FILES = ("checkpoint_manager_snapshot.json",)  # what Ray Train's controller writes itself
 CONTROLLER_PATIENCE, CONTROLLER_MIN_S = 10, 300.0
+
+
+def pyarrow_s3(endpoint: str | None, region: str, budget_s: float = 0.0):
+    """The filesystem Ray Train writes its own files with (run state, deletion of old checkpoints): the
+    kit's endpoint and region; credentials from the AWS chain on each node (never serialized into Ray's
+    run state); with a retry budget, requests retry as long as the kit's own do."""
+    kwargs = {"region": region}
+    if endpoint:
+        parsed = urlparse(endpoint)
+        kwargs["endpoint_override"] = parsed.netloc or parsed.path
+        kwargs["scheme"] = parsed.scheme or "https"
+    if not budget_s:
+        return pyarrow.fs.S3FileSystem(**kwargs)
+    return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, sdk_attempts_for(budget_s), budget_s))
 
 
 class _UploadOnClose(io.RawIOBase):

@@ -2,102 +2,21 @@
 
 One place resolves the S3 settings (credentials only from the standard AWS
 chain, endpoint from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) and builds
-from them both the boto3 client the kit uses and the pyarrow filesystem Ray
-Train uses. Secrets are never logged: messages name the bucket and endpoint.
+from them the boto3 client the kit uses (the pyarrow filesystem Ray Train uses is
+``ray_app.s3fs``'s, from the same settings; retries are ``ray_app.retry``'s). Secrets are never logged: messages name the bucket and endpoint.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import re
 import shutil
-import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-
-class StorageError(RuntimeError):
-    """A storage problem a user can fix (bucket, credentials, endpoint, path)."""
-
-
-class StorageUnavailable(RuntimeError):
-    """The object store did not answer for longer than the retry budget (``failure.storage_retry_s``):
-    a fault, not bad input. In a worker it fails the worker group, which restarts from the newest
-    committed checkpoint (Ray Train's policy, up to ``failure.max_failures``)."""
-
-
-# S3 error codes that say "try again" (throttling, a server-side blip); 5xx statuses count too
-_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
-                    "Throttling", "ThrottlingException", "503", "500", "502", "504"}
-
-
-# pyarrow's S3 errors are OSErrors whose text names the AWS error; these say the store is unreachable
-_PYARROW_TRANSIENT = re.compile(r"NETWORK_CONNECTION|curlCode|Could not connect|timed out|SLOW_DOWN|SlowDown|"
-                                r"SERVICE_UNAVAILABLE|ServiceUnavailable|INTERNAL_FAILURE|InternalError|Throttl")
-
-
-def transient(exc: BaseException) -> bool:
-    """True for an error of the store or the network that a later attempt may not see (connection
-    refused or reset, timeouts, throttling, 5xx), looking through boto3's wrappers (S3UploadFailedError);
-    pyarrow's S3 errors by their text."""
-    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, IncompleteReadError
-
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, (ConnectionError, HTTPClientError, IncompleteReadError, TimeoutError,
-                            ConnectionRefusedError, ConnectionResetError)):
-            return True
-        if isinstance(exc, ClientError):
-            err = exc.response.get("Error", {})
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            return str(err.get("Code", "")) in _TRANSIENT_CODES or int(status) >= 500
-        if type(exc) is OSError and _PYARROW_TRANSIENT.search(str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-class Retrying:
-    """Runs a storage operation again, with exponential backoff and jitter, while it fails with a
-    transient error, for at most ``budget_s`` seconds from its first failure; then StorageUnavailable.
-    One line when an outage starts and one when it ends (the store's address, never credentials).
-    ``budget``: how the lines name the budget; ``then``: what follows when it is spent."""
-
-    def __init__(self, budget_s: float, where: str, say=None, sleep=time.sleep, clock=time.monotonic,
-                 budget: str = "failure.storage_retry_s",
-                 then: str = "the worker group restarts from the newest committed checkpoint"):
-        self.budget_s, self.where, self.budget, self.then = budget_s, where, budget, then
-        self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
-        self.sleep, self.clock = sleep, clock
-
-    def __call__(self, what: str, fn, *args, **kwargs):
-        first = None
-        delay = 0.5
-        while True:
-            try:
-                out = fn(*args, **kwargs)
-            except Exception as exc:
-                if not transient(exc):
-                    raise
-                now = self.clock()
-                if first is None:
-                    first = now
-                    self.say(f"ray-app: storage {self.where} unreachable ({type(exc).__name__}) during {what}; "
-                             f"retrying for up to {self.budget_s:g} s ({self.budget})")
-                if now - first + delay > self.budget_s:
-                    raise StorageUnavailable(f"storage {self.where}: no answer for {now - first:.0f} s during {what} "
-                                             f"({type(exc).__name__}); {self.then}") from exc
-                self.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, 8.0)
-                continue
-            if first is not None:
-                self.say(f"ray-app: storage {self.where} answers again after {self.clock() - first:.1f} s ({what})")
-            return out
+from ray_app.errors import StorageError
+from ray_app.retry import Retrying
 
 
 @dataclass(frozen=True)
@@ -223,38 +142,16 @@ class S3Storage:
         self._retry(f"upload of {rel}", self.client.upload_file, local, self.settings.bucket, self._key(rel))
 
     def pyarrow_fs(self):
-        """The filesystem Ray Train writes its own files with (run state, deletion of old checkpoints):
-        same endpoint and region; credentials from the AWS chain on each node (never serialized into
-        Ray's run state); with a retry budget, requests retry as long as the kit's own do."""
-        import pyarrow.fs
+        """The filesystem Ray Train writes its own files with (``ray_app.s3fs.pyarrow_s3``)."""
+        from ray_app.s3fs import pyarrow_s3
 
-        kwargs = {"region": self.settings.region}
-        if self.settings.endpoint:
-            parsed = urlparse(self.settings.endpoint)
-            kwargs["endpoint_override"] = parsed.netloc or parsed.path
-            kwargs["scheme"] = parsed.scheme or "https"
-        budget = getattr(self._retry, "budget_s", 0)
-        if not budget:
-            return pyarrow.fs.S3FileSystem(**kwargs)
-        from ray_app.s3fs import RetryingS3Handler
-
-        return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, _attempts_for(budget), budget))
+        return pyarrow_s3(self.settings.endpoint, self.settings.region, getattr(self._retry, "budget_s", 0))
 
     def ray_storage(self):
         return _join(self.settings.bucket, self.settings.prefix), self.pyarrow_fs()
 
     def ray_checkpoint_location(self, rel: str):
         return _join(self.settings.bucket, self.settings.prefix, rel), self.pyarrow_fs()
-
-
-def _attempts_for(budget_s: float) -> int:
-    """Attempts of the AWS SDK's default strategy (waits 25 ms x 2^k before retry k+1) that span
-    ``budget_s`` seconds."""
-    attempts, waited = 1, 0.0
-    while waited < budget_s:
-        waited += 0.025 * 2 ** (attempts - 1)
-        attempts += 1
-    return attempts
 
 
 def open_storage(uri: str, retry_s: float = 0.0):

@@ -35,7 +35,8 @@ from ray_app.checkpoint import (
     write_checkpoint_dir,
     write_manifest,
 )
-from ray_app.storage import LocalStorage, StorageError
+from ray_app.errors import StorageError
+from ray_app.storage import LocalStorage
 from tests.support.checkpoints import tiny_payload as checkpoint_payload
 
 RUN = "run-a"

@@ -7,7 +7,7 @@ import pyarrow.fs
 import pytest
 
 from ray_app import s3fs
-from ray_app.storage import transient
+from ray_app.retry import transient
 
 
 class Flaky:

@@ -1,0 +1,16 @@
+"""Every exception the kit raises on purpose, when each is raised, and the exit code it ends a command with.
+
+Callers import their exceptions from here only, so no module imports another just to catch its error.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(RuntimeError):
+    """A storage problem a user can fix (bucket, credentials, endpoint, path): exit 2."""
+
+
+class StorageUnavailable(RuntimeError):
+    """The object store did not answer for longer than the retry budget (``failure.storage_retry_s``):
+    a fault, not bad input. In a worker it fails the worker group, which restarts from the newest
+    committed checkpoint (Ray Train's policy, up to ``failure.max_failures``)."""
