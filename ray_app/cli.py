@@ -114,7 +114,7 @@ def _emit_summary(summary: dict, path: str | None) -> None:
 
 
 def cmd_train(args) -> int:
-    from ray_app.launch import run_training
+    from ray_app.driver import run_training
 
     cfg = _load(args)
     _emit_summary(run_training(cfg), args.summary)
@@ -122,14 +122,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from ray_app.evaluate import run_eval
+    from ray_app.driver import run_eval
 
     _emit_summary(run_eval(args.checkpoint, args.overrides), args.summary)
     return EXIT_OK
 
 
 def cmd_preflight(args) -> int:
-    from ray_app.launch import init_ray, preflight_run
+    from ray_app.driver import init_ray, preflight_run
 
     cfg = _load(args)
     storage = preflight_run(cfg)
@@ -147,13 +147,14 @@ def cmd_preflight(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from ray_app.launch import UserError
-    from ray_app.script import check_script, launch_script
+    from ray_app.driver import run_script
+    from ray_app.errors import UserError
+    from ray_app.script import check_script
 
     if args.script is None:
         raise UserError("SCRIPT is missing: ray-app run [--config FILE] [--set KEY=VALUE] SCRIPT [ARGS...]")
     script = check_script(args.script)  # before the config and Ray: a typo in the name costs nothing
-    _emit_summary(launch_script(_load(args), script, args.args), None)
+    _emit_summary(run_script(_load(args), script, args.args), None)
     return EXIT_OK
 
 
@@ -258,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
 
     from ray_app.config import ConfigError
-    from ray_app.errors import StorageError
-    from ray_app.launch import RunStopped, TrainingFailed, UserError
+    from ray_app.errors import RunStopped, StorageError, TrainingFailed, UserError
 
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:

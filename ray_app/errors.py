@@ -14,3 +14,16 @@ class StorageUnavailable(RuntimeError):
     """The object store did not answer for longer than the retry budget (``failure.storage_retry_s``):
     a fault, not bad input. In a worker it fails the worker group, which restarts from the newest
     committed checkpoint (Ray Train's policy, up to ``failure.max_failures``)."""
+
+
+class UserError(RuntimeError):
+    """Bad input found at launch time: the cluster too small for the workers, a run whose checkpoints
+    need another config, a script that is not Python (exit code 2)."""
+
+
+class TrainingFailed(RuntimeError):
+    """Training failed after all retries (exit code 1)."""
+
+
+class RunStopped(RuntimeError):
+    """The driver was sent SIGTERM and the workers' checkpoint is committed (exit code 143 = 128 + SIGTERM)."""

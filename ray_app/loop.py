@@ -47,7 +47,7 @@ from ray_app.preemption import STOP, TRAINING, Agreement, Preempted, Stopped
 
 @runtime_checkable
 class Runtime(Protocol):
-    """Topology and the framework's calls, read in one place (``launch.RayRuntime`` in production)."""
+    """Topology and the framework's calls, read in one place (``ray_app.worker.RayRuntime`` in production)."""
 
     rank: int
     world_size: int

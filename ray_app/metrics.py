@@ -74,7 +74,7 @@ FINAL_SCRAPE_S = 20.0  # Prometheus' default scrape interval is 15 s; file_sd re
 # The host Prometheus should scrape (default: the bound address, or this host's IP address).
 ADVERTISE_HOST_ENV = "RAY_APP_METRICS_HOST"
 # The address the exporter binds: all interfaces unless set. A local run (the kit starts Ray itself)
-# sets 127.0.0.1 before Ray starts, and its workers inherit it (ray_app.launch.local_bind_env);
+# sets 127.0.0.1 before Ray starts, and its workers inherit it (ray_app.driver.local_bind_env);
 # on a cluster it is read from the worker's own environment (the container's, the pod's).
 BIND_ENV = "RAY_APP_METRICS_BIND"
 ALL_INTERFACES = ("", "0.0.0.0", "::")

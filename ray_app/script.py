@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ray_app.config import Config, ConfigError, RunSection
+from ray_app.config import ConfigError, RunSection
 
 STATE_FILE = "state.pt"
 BUILTIN_RUN_NAME = RunSection().name  # the built-in example's; a script's run is named after the script
@@ -81,8 +81,8 @@ BUILTIN_RUN_NAME = RunSection().name  # the built-in example's; a script's run i
 
 def check_script(path: str) -> str:
     """SCRIPT as the workers will find it (relative to the folder ray-app runs in when inside it).
-    launch.UserError (exit 2, one line) for what is not a readable Python file, before Ray starts."""
-    from ray_app.launch import UserError
+    UserError (exit 2, one line) for what is not a readable Python file, before Ray starts."""
+    from ray_app.errors import UserError
 
     p = Path(path)
     if not p.exists():
@@ -108,30 +108,10 @@ def default_run_name(script: str) -> str:
     return (stem if stem[:1].isalnum() else f"script-{stem}")[:128]
 
 
-def launch_script(cfg: Config, script: str, args: list[str]) -> dict:
-    """Check the storage, run SCRIPT on the worker group, return the summary (``launch.launch`` raises
-    UserError / TrainingFailed for what the workers found)."""
-    from ray_app.launch import DRIVER_START_UNIX, launch
-    from ray_app.storage import open_storage, preflight
-
-    if cfg.run.name == BUILTIN_RUN_NAME:
-        cfg.run.name = default_run_name(script)
-    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
-    preflight(storage)
-    storage_path, fs = storage.ray_storage()
-    t0 = time.perf_counter()
-    m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
-    return {"run": cfg.run.name, "script": script, "world_size": cfg.scaling.num_workers,
-            "checkpoint": m.get("checkpoint"), "saves": m.get("saves"), "resumed_from": m.get("resumed_from"),
-            "script_seconds": m.get("script_seconds"), "wall_seconds": round(time.perf_counter() - t0, 2),
-            "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
-                         **{k: m.get(k) for k in ("worker_start_unix", "script_start_unix")}}}
-
-
 # ---------------------------------------------------------------- worker side
 
 def run_in_worker(job: dict, runtime) -> dict:
-    """One worker's run of the script (called by ``launch.worker_main`` in the project folder). An
+    """One worker's run of the script (called by ``ray_app.worker.worker_main`` in the project folder). An
     exception or non-zero exit of the script comes back as a ``UserCodeError`` the driver shows once."""
     import ray.train
 
@@ -270,7 +250,7 @@ class _Session:
     run: str
     rank: int
     world_size: int
-    report: Callable  # launch.RayRuntime.report: (metrics, local_dir=None, dir_name=None, upload=None)
+    report: Callable  # ray_app.worker.RayRuntime.report: (metrics, local_dir=None, dir_name=None, upload=None)
     progress: int = 0  # the loaded checkpoint's number plus the saves since: the same on every rank
     next_number: int | None = None  # rank 0: the number of its next checkpoint directory
     saves: int = 0

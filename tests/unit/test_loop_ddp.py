@@ -312,7 +312,7 @@ def _protocol_methods(protocol) -> dict:
 
 
 @pytest.mark.parametrize("protocol, implementations", [
-    (Runtime, ("ray_app.launch:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
+    (Runtime, ("ray_app.worker:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
     (MetricsSink, ("ray_app.metrics:NullMetrics", "ray_app.metrics:PrometheusMetrics",
                    "tests.unit.test_loop_ddp:RecordingMetrics")),
 ], ids=["Runtime", "MetricsSink"])

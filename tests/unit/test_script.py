@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_app import launch
 from ray_app import script as kit
+from ray_app import worker
 from ray_app.checkpoint import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
 from ray_app.config import ConfigError, load_config
-from ray_app.launch import UserError, worker_main
+from ray_app.errors import UserError
 from ray_app.plugins import UserCodeError
 from ray_app.storage import LocalStorage
+from ray_app.worker import worker_main
 from tests.support.stand_ins import assert_stands_in_for
 from tests.support.worker import worker_without_ray
 
@@ -228,7 +229,7 @@ def test_the_user_frames_are_the_scripts_folder_unless_it_holds_the_environment(
 # ---------------------------------------------------------------- a worker, without Ray
 
 class FakeRuntime:
-    """What run_in_worker needs of launch.RayRuntime: rank 0 of 1, reports recorded."""
+    """What run_in_worker needs of worker.RayRuntime: rank 0 of 1, reports recorded."""
 
     def __init__(self, storage, run, upload_mode):
         self.storage, self.run, self.rank, self.world_size = storage, run, 0, 1
@@ -241,12 +242,12 @@ class FakeRuntime:
 
 
 def test_the_fake_runtime_is_built_and_called_as_ray_runtime():
-    assert_stands_in_for(FakeRuntime, launch.RayRuntime)
+    assert_stands_in_for(FakeRuntime, worker.RayRuntime)
 
 
 @pytest.fixture
 def script_worker(monkeypatch, tmp_path, saved_process_state):
-    """launch.worker_main in script mode: fake runtime and Ray Train context, a project folder."""
+    """worker.worker_main in script mode: fake runtime and Ray Train context, a project folder."""
     import ray.train
 
     project = worker_without_ray(monkeypatch, tmp_path, FakeRuntime)
@@ -289,9 +290,9 @@ def test_an_exception_in_the_script_becomes_a_user_code_error(script_worker, tmp
     assert err.summary == "ValueError: lr=3.0 is too large"
     text = err.traceback_text
     assert text.startswith("Traceback (most recent call last):\n") and "in check" in text and "in <module>" in text
-    assert "script.py" not in text and "runpy" not in text and "launch.py" not in text
+    assert "script.py" not in text and "runpy" not in text and "worker.py" not in text
     assert err.fingerprint.startswith("ValueError|lr=3.0 is too large|") and err.fingerprint.endswith("|step 0")
-    assert launch._SHOWN_BY_THE_DRIVER.active
+    assert worker._SHOWN_BY_THE_DRIVER.active
 
 
 def test_sys_exit_non_zero_fails_and_zero_ends_normally(script_worker):

@@ -1,11 +1,9 @@
-"""Builds and runs the Ray Train ``TorchTrainer`` around the loop.
+"""The driver side of Ray: preflight, Ray, the ``TorchTrainer``, for train, eval and a script.
 
-Driver side: connect to ``RAY_ADDRESS`` (or start a local Ray sized to the
-machine), check the cluster can hold the workers, build Scaling / Run /
-Failure / Checkpoint configs, run, and turn the result into the summary.
-Worker side: ``worker_main`` (train, eval, and a script for `ray-app run`) enters the user's project folder,
-builds the runtime, checkpointer and metrics sink the loop is given, and turns an
-exception in the user's code into one the driver shows once.
+Connect to ``RAY_ADDRESS`` (or start a local Ray sized to the machine), check the cluster can hold the
+workers, build Scaling / Run / Failure / Checkpoint configs around ``ray_app.worker.worker_main``, run,
+and turn rank 0's result into the summary: ``run_training`` (``ray-app train``), ``run_eval``
+(``ray-app eval``) and ``run_script`` (``ray-app run``) enter through the same ``launch``.
 """
 
 from __future__ import annotations
@@ -17,11 +15,10 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 from ray_app.config import Config, ConfigError, config_from_dict
-
-log = logging.getLogger("ray_app.launch")
+from ray_app.errors import RunStopped, TrainingFailed, UserError
+from ray_app.worker import worker_main
 
 
 def _process_start_unix() -> float:
@@ -35,195 +32,6 @@ def _process_start_unix() -> float:
 
 DRIVER_START_UNIX = _process_start_unix()  # when `ray-app train` was started
 
-
-class UserError(RuntimeError):
-    """Bad input found at launch time (exit code 2)."""
-
-
-# ---------------------------------------------------------------- worker side
-
-class RayRuntime:
-    """Topology and Ray Train calls, read in one place."""
-
-    def __init__(self, storage, run: str, upload_mode: str):
-        import ray.train
-        import ray.train.torch
-
-        self._train, self._torch = ray.train, ray.train.torch
-        ctx = ray.train.get_context()
-        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device()
-        self.storage, self.run = storage, run
-        self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"
-                            else ray.train.CheckpointUploadMode.SYNC)
-
-    def prepare_model(self, model, bucket_cap_mb: int = 25):
-        return self._torch.prepare_model(model, parallel_strategy_kwargs={
-            "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True})
-
-    def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
-        """Every rank calls this the same number of times (ray.train.report is a barrier). A checkpoint's
-        report names the same ``dir_name`` on every rank, the writer's, though only the writer has ``local_dir``
-        (Ray Train takes rank 0's name for all)."""
-        if local_dir is None:
-            self._train.report(metrics, checkpoint_dir_name=dir_name)
-            return
-        from ray_app.checkpoint import cleanup_local
-
-        def upload_fn(checkpoint, name):
-            upload(Path(checkpoint.path), name)
-            path, fs = self.storage.ray_checkpoint_location(f"{self.run}/{name}")
-            return self._train.Checkpoint(path, filesystem=fs)
-
-        self._train.report(metrics, checkpoint=self._train.Checkpoint.from_directory(str(local_dir)),
-                           checkpoint_dir_name=dir_name, checkpoint_upload_mode=self.upload_mode,
-                           checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=True)
-        if self.upload_mode == self._train.CheckpointUploadMode.SYNC:
-            cleanup_local(local_dir)
-
-
-def _quiet_report_log() -> None:
-    """Ray Train logs every report of every rank at INFO on a logger named by its file path
-    (so LoggingConfig does not reach it); keep it in Ray's log files, off the console."""
-    try:
-        from ray.train.v2._internal.execution import context as train_context
-
-        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-    except Exception:  # a Ray refactor must never break training
-        pass
-
-
-class _ShownByTheDriver(logging.Filter):
-    """Ray Train logs every worker's exception on every attempt; the errors the driver shows itself
-    (bad input, the user's own exception with its traceback) are shown there once instead."""
-
-    active = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (self.active and record.getMessage().startswith("Error in training function"))
-
-
-_SHOWN_BY_THE_DRIVER = _ShownByTheDriver()
-
-
-def _worker_logging() -> None:
-    try:
-        from ray.train.v2._internal import util as train_util
-
-        logging.getLogger(train_util.__name__).addFilter(_SHOWN_BY_THE_DRIVER)
-    except Exception:  # a Ray refactor must never break training
-        pass
-    app_log = logging.getLogger("ray_app")
-    if not app_log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        app_log.addHandler(handler)
-        app_log.setLevel(logging.INFO)
-        app_log.propagate = False
-    _quiet_report_log()
-
-
-def enter_project(folder: str) -> None:
-    """Run the user's code as from the folder ray-app started in, where this node has it (a local run, or
-    a cluster whose nodes share it). Elsewhere the code comes with the job's working_dir or the image."""
-    from ray_app.plugins import add_project_to_path
-
-    if folder and os.path.isdir(folder):
-        os.chdir(folder)  # relative paths in the user's args mean what they mean on the user's command line
-        add_project_to_path(folder)
-
-
-def _train(cfg: Config, runtime: RayRuntime, stats) -> tuple[dict, object]:
-    from ray_app.checkpoint import Checkpointer
-    from ray_app.loop import Trainer, build_parts
-    from ray_app.metrics import NullMetrics, PrometheusMetrics
-
-    checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
-                                every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
-                                staged=cfg.checkpoint.upload == "async",
-                                warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
-    metrics = NullMetrics()
-    if runtime.rank == 0 and cfg.metrics.enabled:
-        metrics = PrometheusMetrics(cfg.metrics.port)
-    parts = build_parts(cfg, runtime)
-    stats.mark("model_ready_unix")
-    trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats, preemption_agreement(cfg))
-    return trainer.fit(), trainer
-
-
-def preemption_agreement(cfg: Config):
-    """The per-step flag of ``ray_app.preemption`` on a gloo group: the default one on CPU, its own
-    next to nccl (made here, by every rank)."""
-    import torch.distributed as dist
-
-    from ray_app.preemption import Agreement
-
-    enabled = cfg.failure.preemption_checkpoint and dist.is_initialized()
-    group = dist.new_group(backend="gloo") if enabled and cfg.scaling.use_gpu else None
-    return Agreement(group, enabled=enabled)
-
-
-def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
-    """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
-    from ray_app.checkpoint import load_verified, resolve_checkpoint_uri
-    from ray_app.loop import Trainer, build_parts
-    from ray_app.metrics import NullMetrics
-
-    parts = build_parts(cfg, runtime)
-    storage, rel = resolve_checkpoint_uri(checkpoint)
-    loaded = load_verified(storage, rel, rank=None, model_only=True)
-    parts.module.load_state_dict(loaded.model)
-    trainer = Trainer(cfg, runtime, parts, checkpointer=None, metrics=NullMetrics(), stats=stats)
-    result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))
-    runtime.report(result)
-    return result, trainer
-
-
-def worker_main(job: dict, results=None) -> None:
-    """Entry point of every Ray Train worker, for ``train``, ``eval`` and ``run`` (mode ``script``: the
-    user's own script, see ``ray_app.script``). Rank 0 puts its result on ``results`` (a Ray queue on the
-    driver's node).
-
-    An exception raised in the user's plug-in code is re-raised as a ``UserCodeError`` that carries its
-    traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
-    failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
-    """
-    from ray_app.loop import RunStats
-    from ray_app.plugins import UserCodeError, plugin_roots
-    from ray_app.preemption import Preempted, Stopped
-    from ray_app.storage import open_storage
-
-    stats = RunStats()
-    _worker_logging()
-    enter_project(job.get("project_dir", ""))
-    cfg = config_from_dict(job["config"])
-    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)
-    runtime = RayRuntime(storage, cfg.run.name, cfg.checkpoint.upload)
-    trainer = None
-    try:
-        if job["mode"] == "script":
-            from ray_app.script import run_in_worker
-
-            result = run_in_worker(job, runtime)  # the script's own errors come back as UserCodeError
-        elif job["mode"] == "eval":
-            result, trainer = _eval(cfg, runtime, stats, job["checkpoint"])
-        else:
-            result, trainer = _train(cfg, runtime, stats)
-    except Exception as exc:
-        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped)):
-            _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
-            raise
-        pos = getattr(trainer, "pos", None)
-        wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
-        if wrapped is None:
-            raise
-        _SHOWN_BY_THE_DRIVER.active = True
-        raise wrapped from None
-    if results is not None and runtime.rank == 0:
-        results.put(result)
-
-
-# ---------------------------------------------------------------- driver side
 
 def _quiet_ray_env() -> None:
     # keep the driver's output readable: progress lines, not a wall of Ray internals
@@ -595,9 +403,45 @@ def run_training(cfg: Config) -> dict:
     }
 
 
-class TrainingFailed(RuntimeError):
-    """Training failed after all retries (exit code 1)."""
+def run_eval(uri: str, overrides: list[str]) -> dict:
+    """``ray-app eval``: the exact evaluation of a saved checkpoint on the workers. The data, model and task
+    are rebuilt from the checkpoint's own config (``--set`` may change keys such as ``scaling.num_workers``)."""
+    import tempfile
+
+    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+
+    try:
+        storage, rel = resolve_checkpoint_uri(uri)
+        loaded = load_verified(storage, rel, rank=None, model_only=True)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        cfg = config_from_dict(loaded.config, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"--set: {exc}") from None
+    validate_before_ray(cfg)
+    m = launch(cfg, {"mode": "eval", "checkpoint": loaded.uri}, f"eval-{cfg.run.name}",
+               tempfile.mkdtemp(prefix="ray-app-eval-"))
+    return {"checkpoint": m["checkpoint"], "global_step": m["global_step"],
+            **{k: v for k, v in m.items() if k.startswith("eval_")},
+            "num_samples": m["num_samples"], "world_size": cfg.scaling.num_workers}
 
 
-class RunStopped(RuntimeError):
-    """The driver was sent SIGTERM and the workers' checkpoint is committed (exit code 143 = 128 + SIGTERM)."""
+def run_script(cfg: Config, script: str, args: list[str]) -> dict:
+    """``ray-app run``: check the storage, run SCRIPT on the worker group (``ray_app.script``), return the
+    summary (``launch`` raises UserError / TrainingFailed for what the workers found)."""
+    from ray_app.script import BUILTIN_RUN_NAME, default_run_name
+    from ray_app.storage import open_storage, preflight
+
+    if cfg.run.name == BUILTIN_RUN_NAME:
+        cfg.run.name = default_run_name(script)
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
+    preflight(storage)
+    storage_path, fs = storage.ray_storage()
+    t0 = time.perf_counter()
+    m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
+    return {"run": cfg.run.name, "script": script, "world_size": cfg.scaling.num_workers,
+            "checkpoint": m.get("checkpoint"), "saves": m.get("saves"), "resumed_from": m.get("resumed_from"),
+            "script_seconds": m.get("script_seconds"), "wall_seconds": round(time.perf_counter() - t0, 2),
+            "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
+                         **{k: m.get(k) for k in ("worker_start_unix", "script_start_unix")}}}

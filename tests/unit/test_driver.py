@@ -12,21 +12,21 @@ import uuid
 import pytest
 import torch
 
-from ray_app import launch
+from ray_app import driver
+from ray_app import worker as worker_side
 from ray_app.checkpoint import checkpoint_dir_name
 from ray_app.config import ConfigError, load_config
-from ray_app.launch import (
+from ray_app.driver import (
     LEAN_DROPPED_CALLBACKS,
-    TrainingFailed,
-    UserError,
     build_trainer,
     lean_trainer_class,
     preflight_run,
     raise_worker_failure,
     validate_before_ray,
-    worker_main,
 )
+from ray_app.errors import TrainingFailed, UserError
 from ray_app.plugins import PluginError, UserCodeError
+from ray_app.worker import worker_main
 from tests.support.checkpoints import write_checkpoint
 from tests.support.stand_ins import assert_stands_in_for
 from tests.support.worker import worker_without_ray
@@ -80,9 +80,9 @@ def test_min_workers_makes_the_worker_group_elastic(tmp_path):
     elastic = _trainer(cfg).scaling_config
     assert elastic.elasticity_enabled and (elastic.min_workers, elastic.max_workers) == (2, 3)
     assert elastic.elastic_resize_monitor_interval_s == 5
-    launch._check_capacity(cfg, {"CPU": 2}, remote=True)  # room for min_workers is enough to start
+    driver._check_capacity(cfg, {"CPU": 2}, remote=True)  # room for min_workers is enough to start
     with pytest.raises(UserError, match="scaling.num_workers"):
-        launch._check_capacity(cfg, {"CPU": 1}, remote=True)
+        driver._check_capacity(cfg, {"CPU": 1}, remote=True)
     same = load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3", "scaling.min_workers=3"])
     assert not _trainer(same).scaling_config.elasticity_enabled
     with pytest.raises(ConfigError, match="scaling.min_workers=4 must not exceed scaling.num_workers=3"):
@@ -277,7 +277,7 @@ def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
     from ray_app.storage import LocalStorage
 
     train = FakeRayTrain()
-    rt = object.__new__(launch.RayRuntime)  # without Ray: what __init__ would read from ray.train
+    rt = object.__new__(worker_side.RayRuntime)  # without Ray: what __init__ would read from ray.train
     rt._train, rt.storage, rt.run, rt.upload_mode = train, LocalStorage(str(tmp_path)), "r", "sync"
     name = checkpoint_dir_name(4)
     rt.report({"global_step": 4}, None, name)  # a rank that does not write
@@ -306,7 +306,7 @@ class FakeRayRuntime:
 
 
 def test_the_fake_ray_runtime_is_built_and_called_as_ray_runtime():
-    assert_stands_in_for(FakeRayRuntime, launch.RayRuntime)
+    assert_stands_in_for(FakeRayRuntime, worker_side.RayRuntime)
 
 
 SMALL_DATA = ["data.name=synthetic", "data.args.num_samples=16", "data.args.image_size=4"]
@@ -342,10 +342,10 @@ def test_an_exception_in_user_code_becomes_a_user_code_error(worker, tmp_path):
     text = err.traceback_text
     assert text.startswith("Traceback (most recent call last):\n") and text.rstrip().endswith("hidden=2 is too small")
     assert "in Net" in text and "in helper" in text
-    assert "launch.py" not in text and "plugins.py" not in text and "loop.py" not in text
+    assert "worker.py" not in text and "driver.py" not in text and "plugins.py" not in text and "loop.py" not in text
     assert str(tmp_path / "project") in text  # the worker found the code in the project folder
     assert err.fingerprint.startswith("ValueError|hidden=2 is too small|") and err.fingerprint.endswith("|step -1")
-    assert launch._SHOWN_BY_THE_DRIVER.active  # Ray Train's own log of it is left out: the driver shows it
+    assert worker_side._SHOWN_BY_THE_DRIVER.active  # Ray Train's own log of it is left out: the driver shows it
 
 
 def test_bad_input_from_a_worker_stays_a_config_error(worker):
@@ -363,13 +363,13 @@ def test_a_failure_outside_user_code_is_raised_as_it_is(worker):
     with pytest.raises(RuntimeError, match="the kit's own failure") as exc:
         worker("X = 1\n", ["model.name=mlp", *SMALL_DATA])
     assert not isinstance(exc.value, UserCodeError)
-    assert not launch._SHOWN_BY_THE_DRIVER.active  # the driver shows only its last line: Ray's log keeps it
+    assert not worker_side._SHOWN_BY_THE_DRIVER.active  # the driver shows only its last line: Ray's log keeps it
 
 
 def test_ray_trains_log_of_an_error_the_driver_shows_is_left_out(monkeypatch):
     import logging
 
-    shown = launch._SHOWN_BY_THE_DRIVER
+    shown = worker_side._SHOWN_BY_THE_DRIVER
     record = logging.LogRecord("ray.train", logging.ERROR, "x.py", 1, "Error in training function:\nTraceback", None, None)
     other = logging.LogRecord("ray.train", logging.ERROR, "x.py", 1, "Something else", None, None)
     monkeypatch.setattr(shown, "active", False)
@@ -383,10 +383,10 @@ def test_a_new_run_is_checked_without_importing_torch(tmp_path):
     import subprocess
     import sys
 
-    from ray_app import checkpoint, launch
+    from ray_app import checkpoint
 
-    assert launch.CHECKPOINT_PREFIX == checkpoint.PREFIX
-    code = ("import sys; from ray_app.config import load_config; from ray_app.launch import preflight_run; "
+    assert driver.CHECKPOINT_PREFIX == checkpoint.PREFIX
+    code = ("import sys; from ray_app.config import load_config; from ray_app.driver import preflight_run; "
             f"preflight_run(load_config(None, ['run.storage={tmp_path}'])); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

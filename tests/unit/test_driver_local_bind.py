@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from ray_app import launch
+from ray_app import driver
 from ray_app.config import Config
 from ray_app.metrics import ADVERTISE_HOST_ENV, BIND_ENV, PrometheusMetrics, advertised_host
 from tests.support.stand_ins import assert_stands_in_for
@@ -49,34 +49,34 @@ def fake_ray(monkeypatch):
 
 
 def test_a_local_run_binds_the_exporter_and_gloo_to_loopback():
-    env = launch.local_bind_env({})
-    assert env == {"GLOO_SOCKET_IFNAME": launch.loopback_interface(), BIND_ENV: "127.0.0.1"}
+    env = driver.local_bind_env({})
+    assert env == {"GLOO_SOCKET_IFNAME": driver.loopback_interface(), BIND_ENV: "127.0.0.1"}
     addresses = psutil.net_if_addrs()[env["GLOO_SOCKET_IFNAME"]]
     assert "127.0.0.1" in {a.address for a in addresses}  # `lo` on Linux
 
 
 def test_a_users_own_interface_and_bind_address_are_kept():
-    assert launch.local_bind_env({"GLOO_SOCKET_IFNAME": "eth1", BIND_ENV: "0.0.0.0"}) == {}
+    assert driver.local_bind_env({"GLOO_SOCKET_IFNAME": "eth1", BIND_ENV: "0.0.0.0"}) == {}
 
 
 def test_the_local_ray_starts_with_the_loopback_environment(fake_ray):
-    launch.init_ray(Config())
+    driver.init_ray(Config())
     (kwargs, env), = fake_ray.calls
     assert kwargs["address"] == "local" and kwargs["dashboard_host"] == "127.0.0.1"
     assert kwargs["include_dashboard"] is False  # Ray Train needs none; it cost ~5 s of ray.init
-    assert env["GLOO_SOCKET_IFNAME"] == launch.loopback_interface() and env[BIND_ENV] == "127.0.0.1"
+    assert env["GLOO_SOCKET_IFNAME"] == driver.loopback_interface() and env[BIND_ENV] == "127.0.0.1"
 
 
 def test_the_dashboard_of_a_local_run_is_asked_for(fake_ray, monkeypatch):
-    monkeypatch.setenv(launch.DASHBOARD_ENV, "1")
-    launch.init_ray(Config())
+    monkeypatch.setenv(driver.DASHBOARD_ENV, "1")
+    driver.init_ray(Config())
     (kwargs, _), = fake_ray.calls
     assert kwargs["include_dashboard"] is True and kwargs["dashboard_host"] == "127.0.0.1"
 
 
 def test_a_cluster_run_leaves_the_workers_binding_to_the_cluster(fake_ray, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "ray-head:6379")
-    launch.init_ray(Config())
+    driver.init_ray(Config())
     (kwargs, env), = fake_ray.calls
     assert kwargs == {"address": "ray-head:6379", "logging_level": kwargs["logging_level"]}
     assert "GLOO_SOCKET_IFNAME" not in env and BIND_ENV not in env
