@@ -159,11 +159,17 @@ def assert_identical_parameters(model: torch.nn.Module) -> None:
         raise RuntimeError("ranks hold different parameters after DDP wrapping")
 
 
-def global_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
-    """Practice 4: sample-weighted mean over all ranks (one all_reduce of [sum, n])."""
+def global_sum_and_count(loss_sum: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
+    """Practice 4: (sum, n) over all ranks (one all_reduce of [sum, n])."""
     t = torch.stack([torch.as_tensor(loss_sum).double(), torch.as_tensor(count, device=loss_sum.device).double()])
     dist.all_reduce(t)  # sync point: all ranks
-    return (t[0] / t[1].clamp(min=1)).item()
+    return t[0].item(), t[1].item()
+
+
+def global_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
+    """Practice 4: sample-weighted mean over all ranks (one all_reduce of [sum, n])."""
+    total, n = global_sum_and_count(loss_sum, count)
+    return total / max(n, 1.0)
 
 
 def gather_eval_rows(indices: torch.Tensor, values: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,6 +387,7 @@ class Trainer:
         self.resumed_checkpoint_unix = 0.0
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
+        self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
         self.epoch_loss = torch.zeros((), device=self.device)  # this epoch (this attempt), this rank
         self.epoch_count = torch.zeros((), device=self.device)
         self._loss_checked = False  # the task's loss output is checked against the contract once
@@ -441,7 +448,8 @@ class Trainer:
         finally:
             TRAINING.clear()
         self.preemption.close()  # the last step's flag is still on its way
-        self.last_eval = self.evaluate()
+        if self._evaluated_at != self.pos.global_step:  # an epoch's end just evaluated these parameters
+            self.last_eval = self.evaluate()
         summary = self._final_metrics()
         self._final_checkpoint(summary)
         self._account(self.ckpt.settle())
@@ -513,6 +521,8 @@ class Trainer:
             self._end_epoch(interval)
             if self.leaving and self.pos.epoch < cfg.train.epochs and not self._done():
                 self._leave()
+        elif self._done():  # train.max_steps ends training inside the epoch
+            self._end_partial_epoch(interval)
 
     def _leave(self) -> None:
         """Every rank: checkpoint here (unless this step has one), wait until it is committed, raise."""
@@ -581,11 +591,13 @@ class Trainer:
         self.stats.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
 
     def _log_progress(self, interval: _Interval) -> None:
-        loss = global_mean(interval.loss_sum, interval.count)  # collective: every rank calls it at the same step
+        # collective: every rank calls it at the same step
+        total, n = global_sum_and_count(interval.loss_sum, interval.count)
+        loss = total / max(n, 1.0)
         self.epoch_loss += interval.loss_sum
         self.epoch_count += interval.count
         dt = time.perf_counter() - interval.t0
-        samples = int(interval.count.item()) * self.world_size  # approximately: ranks see equal counts
+        samples = int(n)  # all ranks' samples (the task's num_samples may differ by rank)
         sps = samples / dt if dt > 0 else 0.0
         steps = self.pos.global_step - interval.step0
         eta = (self.parts.total_steps - self.pos.global_step) * dt / max(steps, 1)
@@ -598,12 +610,20 @@ class Trainer:
         self.print0(f"epoch {self.pos.epoch} step {self.pos.global_step}/{self.parts.total_steps} "
                     f"loss {loss:.4f} lr {lr:.4g} {sps:,.0f} samples/s eta {_fmt_eta(eta)}")
 
+    def _end_partial_epoch(self, interval: _Interval) -> None:
+        """train.max_steps stopped inside an epoch (every rank at the same step): the train loss of the
+        steps this epoch trained, so the summary reports what was trained (the final eval follows in fit)."""
+        if interval.batches:
+            self._log_progress(interval)
+        self.last_train_loss = global_mean(self.epoch_loss, self.epoch_count)
+
     def _end_epoch(self, interval: _Interval) -> None:
         # every rank has the same number of batches (the sampler pads), so this branch is collective-safe
         if interval.batches:
             self._log_progress(interval)
         self.last_train_loss = global_mean(self.epoch_loss, self.epoch_count)
         self.last_eval = self.evaluate()
+        self._evaluated_at = self.pos.global_step
         shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items() if k.startswith("eval_"))
         self.print0(f"epoch {self.pos.epoch} done: train loss {self.last_train_loss:.4f} {shown}")
         self.pos.epoch += 1
