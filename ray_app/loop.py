@@ -302,7 +302,10 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, steps_per_epoch: int, t
 
 def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
     """After loading a checkpoint: the config's lr, weight decay and momentum win over the saved ones
-    (loading restores them; a resumed run may change them). Unchanged, this sets what was loaded."""
+    (loading restores them; a resumed run may change them). Unchanged, this sets what was loaded.
+
+    Through public attributes only: the optimizer's groups hold the LR in use (what the loop logs);
+    the scheduler's record of its last LR (``get_last_lr``) follows at its next ``step``."""
     for group in optimizer.param_groups:
         group["initial_lr"] = cfg.train.lr
         group["weight_decay"] = cfg.train.weight_decay
@@ -312,7 +315,6 @@ def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
 
 
 # ---------------------------------------------------------------- timing for the summary
@@ -601,7 +603,7 @@ class Trainer:
         sps = samples / dt if dt > 0 else 0.0
         steps = self.pos.global_step - interval.step0
         eta = (self.parts.total_steps - self.pos.global_step) * dt / max(steps, 1)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR in use (= the scheduler's, set by its step)
         self.metrics.on_progress(epoch=self.pos.epoch, global_step=self.pos.global_step, lr=lr, train_loss=loss,
                                  samples=samples, samples_per_second=sps)
         if self.device.type == "cuda":

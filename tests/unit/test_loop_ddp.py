@@ -601,3 +601,37 @@ def test_to_device_moves_every_tensor_of_any_structure():
     assert moved["rest"][1][0].device.type == "meta" and moved["rest"][1][1] == 7
     assert first_dim(batch) == 3 and first_dim([("no tensors",)]) == 0
 
+
+class _RecordingLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR that records which private attributes are set on it (from outside or by itself) once built."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.__dict__["private_writes"] = []
+
+    def __setattr__(self, name, value):
+        if "private_writes" in self.__dict__ and name.startswith("_"):
+            self.private_writes.append(name)
+        super().__setattr__(name, value)
+
+
+@pytest.mark.timeout(30)
+def test_resumed_hyperparameters_are_set_through_public_attributes_only():
+    from ray_app.loop import apply_hyperparameters
+
+    cfg = load_config(None, ["train.lr=0.2", "train.optimizer=sgd", "train.momentum=0.5", "train.weight_decay=0.01"])
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = _RecordingLambdaLR(optimizer, lr_lambda(2, 10))
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    scheduler.private_writes.clear()  # the scheduler's own steps write its private state
+    apply_hyperparameters(cfg, optimizer, scheduler)
+    assert scheduler.private_writes == []
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(0.2 * lr_lambda(2, 10)(4))
+    assert (group["momentum"], group["weight_decay"], scheduler.base_lrs) == (0.5, 0.01, [0.2])
+    optimizer.step()
+    scheduler.step()  # the schedule goes on from the config's LR
+    assert scheduler.get_last_lr() == [group["lr"]] == [pytest.approx(0.2 * lr_lambda(2, 10)(5))]
