@@ -12,20 +12,19 @@ from ray_app.config import ConfigError, config_from_dict
 
 
 def run_eval(uri: str, overrides: list[str]) -> dict:
-    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+    from ray_app.checkpoint import CheckpointError, committed_config
     from ray_app.launch import UserError, launch, validate_before_ray
 
     try:
-        storage, rel = resolve_checkpoint_uri(uri)
-        loaded = load_verified(storage, rel, rank=None, model_only=True)
+        checkpoint, saved = committed_config(uri)  # its manifest and config.json: the workers load the rest
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     try:
-        cfg = config_from_dict(loaded.config, overrides)
+        cfg = config_from_dict(saved, overrides)
     except ConfigError as exc:
         raise ConfigError(f"--set: {exc}") from None
     validate_before_ray(cfg)
-    m = launch(cfg, {"mode": "eval", "checkpoint": loaded.uri}, f"eval-{cfg.run.name}",
+    m = launch(cfg, {"mode": "eval", "checkpoint": checkpoint}, f"eval-{cfg.run.name}",
                tempfile.mkdtemp(prefix="ray-app-eval-"))
     return {"checkpoint": m["checkpoint"], "global_step": m["global_step"],
             **{k: v for k, v in m.items() if k.startswith("eval_")},

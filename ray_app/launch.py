@@ -163,13 +163,15 @@ def preemption_agreement(cfg: Config):
 
 def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
     """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
-    from ray_app.checkpoint import load_verified, resolve_checkpoint_uri
+    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
     from ray_app.loop import Trainer, build_parts
     from ray_app.metrics import NullMetrics
 
     parts = build_parts(cfg, runtime)
-    storage, rel = resolve_checkpoint_uri(checkpoint)
-    loaded = load_verified(storage, rel, rank=None, model_only=True)
+    try:  # the driver read only the config: a damaged file is found here, and is bad input (exit 2)
+        loaded = load_verified(*resolve_checkpoint_uri(checkpoint), rank=None, model_only=True)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
     parts.module.load_state_dict(loaded.model)
     trainer = Trainer(cfg, runtime, parts, checkpointer=None, metrics=NullMetrics(), stats=stats)
     result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))
@@ -415,18 +417,17 @@ def preflight_run(cfg: Config):
     preflight(storage)
     _check_resume(cfg, storage)
     if cfg.run.resume_from:
-        from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+        from ray_app.checkpoint import CheckpointError, committed_config
 
         try:
-            rs, rel = resolve_checkpoint_uri(cfg.run.resume_from)
-            loaded = load_verified(rs, rel, rank=None, model_only=True)
+            uri, saved = committed_config(cfg.run.resume_from)  # its manifest and config.json only
         except (CheckpointError, StorageError) as exc:
             raise UserError(f"config key run.resume_from: {exc}") from None
         from ray_app.config import resume_conflicts
 
-        model_changes = [c for c in resume_conflicts(loaded.config, cfg) if c.startswith("model.")]
+        model_changes = [c for c in resume_conflicts(saved, cfg) if c.startswith("model.")]
         if model_changes:
-            raise UserError(f"config key run.resume_from: {loaded.uri} holds another model "
+            raise UserError(f"config key run.resume_from: {uri} holds another model "
                             f"({', '.join(model_changes)}); its weights cannot be loaded into this one")
     return storage
 

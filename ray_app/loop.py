@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ray_app import __version__
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, restore_rng_state
+from ray_app.checkpoint import CheckpointError, CheckpointPayload, capture_rng_state, restore_rng_state
 from ray_app.config import Config, resume_conflicts
 from ray_app.plugins import PluginError, build_data, build_model, build_task
 from ray_app.preemption import STOP, TRAINING, Agreement, Preempted, Stopped
@@ -400,7 +400,10 @@ class Trainer:
 
     # ------------------------------------------------------------ resume
     def restore(self) -> None:
-        loaded = self.ckpt.restore(self.rank)
+        try:
+            loaded = self.ckpt.restore(self.rank)
+        except CheckpointError as exc:  # run.resume_from with no checkpoint that loads, or one torch refuses
+            raise PluginError(str(exc)) from None  # bad input: one line, exit 2, not retried
         if loaded is None:
             return
         conflicts = resume_conflicts(loaded.config, self.cfg)
