@@ -9,9 +9,11 @@ links here, and the code marks each as ``practice N``):
 3. DDP averages gradients with its bucketed all-reduce, overlapped with backward
    (skipped with ``no_sync`` on non-final gradient-accumulation micro-steps);
 4. the logged loss is the sample-weighted global mean over ranks (one ``all_reduce``);
-5. evaluation gathers every rank's per-sample values by the sampler's indices
-   (``all_gather``) and drops the padded duplicates, so each metric equals a
-   single-process evaluation exactly;
+5. evaluation sums every rank's per-sample values, the sampler's padded duplicates
+   masked out, exactly (whatever the order), and all-reduces the sums and the count
+   (one ``all_reduce`` of O(metrics) numbers), so each mean equals a single-process
+   evaluation exactly; only a task that needs every value (``summarize_rows``) has
+   them gathered (``all_gather``) by the sampler's indices;
 6. rank 0 alone logs progress, writes checkpoints and serves metrics (every rank prints one
    line at the start: its host and device).
 
@@ -188,6 +190,69 @@ def gather_eval_rows(indices: torch.Tensor, values: torch.Tensor, world_size: in
     return unique[:, 0].long(), unique[:, 1:]
 
 
+# Exact sums of float64 values, whatever their order (and so the world size): every finite float64 is
+# M * 2^(e - 53) with an integer |M| < 2^53 and e - 53 >= -1126, an integer multiple of 2^-1126; its
+# 16-bit pieces are counted in int64 limbs (each add < 2^32: exact for up to 2^31 samples).
+_EXACT_SHIFT, _LIMB_BITS = 1126, 16
+_LIMBS = (1024 - 53 + _EXACT_SHIFT + 53) // _LIMB_BITS + 2
+
+
+class ExactSums:
+    """Per-metric sums and the sample count of this rank's eval values, padding masked out, exact; one
+    ``all_reduce`` makes them every rank's (O(metrics) numbers, not O(samples)). ``means()`` rounds once:
+    it equals ``math.fsum(values) / n`` over the distinct samples of a single process, bit for bit."""
+
+    def __init__(self, num_metrics: int, device: torch.device):
+        self.limbs = torch.zeros(num_metrics, _LIMBS, dtype=torch.int64, device=device)
+        self.special = torch.zeros(num_metrics, 3, dtype=torch.int64, device=device)  # nan, +inf, -inf
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def add(self, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """``values`` [B, K] float64; ``keep`` [B] bool (False: a padded duplicate)."""
+        keep = keep.to(values.device)
+        k = keep.unsqueeze(1).to(torch.int64)
+        finite = torch.isfinite(values)
+        self.special += torch.stack([torch.isnan(values), values == math.inf, values == -math.inf], dim=2) \
+            .to(torch.int64).mul(k.unsqueeze(2)).sum(dim=0)
+        mantissa, exponent = torch.frexp(torch.where(finite, values, torch.zeros_like(values)))
+        m = torch.ldexp(mantissa, torch.tensor(53.0, dtype=values.dtype, device=values.device)).to(torch.int64)
+        offset = exponent.to(torch.int64) - 53 + _EXACT_SHIFT
+        limb, shift = offset // _LIMB_BITS, offset % _LIMB_BITS
+        sign, magnitude = torch.sign(m) * k, m.abs()
+        for j in range(4):  # 4 x 16 bits >= 53
+            piece = torch.bitwise_left_shift(torch.bitwise_right_shift(magnitude, _LIMB_BITS * j) & 0xFFFF, shift)
+            self.limbs.scatter_add_(1, (limb + j).T, (piece * sign).T)
+        self.count += keep.sum()
+
+    def all_reduce(self) -> None:
+        t = torch.cat([self.limbs.flatten(), self.special.flatten(), self.count])
+        dist.all_reduce(t)  # sync point: all ranks (sums and counts only, padding already masked)
+        n_limbs, n_special = self.limbs.numel(), self.special.numel()
+        self.limbs = t[:n_limbs].view_as(self.limbs)
+        self.special = t[n_limbs:n_limbs + n_special].view_as(self.special)
+        self.count = t[-1:]
+
+    def num_samples(self) -> int:
+        return int(self.count.item())
+
+    def means(self) -> list[float]:
+        limbs, special, n = self.limbs.cpu().tolist(), self.special.cpu().tolist(), self.num_samples()
+        out = []
+        for row, (nan, pos, neg) in zip(limbs, special):
+            if nan or (pos and neg):
+                total = math.nan
+            elif pos or neg:
+                total = math.inf if pos else -math.inf
+            else:
+                exact = sum(v << (_LIMB_BITS * i) for i, v in enumerate(row))
+                try:
+                    total = exact / (1 << _EXACT_SHIFT)  # int / int: correctly rounded
+                except OverflowError:
+                    total = math.copysign(math.inf, exact)
+            out.append(total / n if n else math.nan)
+        return out
+
+
 def lr_lambda(warmup_steps: int, total_steps: int):
     """Linear warmup, then cosine decay to zero."""
     def f(step: int) -> float:
@@ -239,6 +304,7 @@ class Parts:
     loader_gen: torch.Generator
     eval_loader: DataLoader
     eval_indices: torch.Tensor  # this rank's eval indices, in the order the eval loader yields them
+    eval_keep: torch.Tensor  # bool, the same order: False where the sampler padded (a repeated sample)
     eval_batch_sizes: list[int]
     batches_per_epoch: int
     steps_per_epoch: int
@@ -284,6 +350,9 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
         # its own generator too: iterating a DataLoader draws a seed, and evaluation
         # must not move the training RNG (or a resumed run would diverge)
         eval_loader=loader(eval_set, eval_sampler, torch.Generator().manual_seed(cfg.run.seed)),
+        # DistributedSampler deals position p of the padded order to rank p % world; positions past the
+        # data set's end are the padding (repeats of its first samples)
+        eval_keep=torch.arange(n_eval) * world + rank < len(eval_set),
         eval_indices=eval_indices, eval_batch_sizes=[min(bs, n_eval - i) for i in range(0, n_eval, bs)],
         batches_per_epoch=batches_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)),
@@ -643,20 +712,31 @@ class Trainer:
     def evaluate(self) -> dict:
         """Practice 5: every metric of the task, exact over the distinct eval samples of all ranks."""
         self.model.eval()
-        names, columns = None, []
-        for i, batch in enumerate(self.parts.eval_loader):
+        parts, names, sums, columns, start = self.parts, None, None, [], 0
+        summarize_rows = getattr(self.task, "summarize_rows", None)
+        for i, batch in enumerate(parts.eval_loader):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 values = self.task.evaluate(self.model, to_device(batch, self.device))
             names = names or self._check_eval_names(values)
-            columns.append(self._eval_columns(values, names, self.parts.eval_batch_sizes[i]))
-        idx, rows = gather_eval_rows(self.parts.eval_indices.to(self.device), torch.cat(columns), self.world_size)
+            size = parts.eval_batch_sizes[i]
+            batch_columns = self._eval_columns(values, names, size)
+            sums = sums or ExactSums(len(names), batch_columns.device)
+            sums.add(batch_columns, parts.eval_keep[start:start + size])
+            start += size
+            if callable(summarize_rows):  # this task needs every value, not only the means
+                columns.append(batch_columns)
+        sums.all_reduce()
         self.model.train()
-        means = {name: rows[:, j].mean().item() for j, name in enumerate(names)}
+        means = dict(zip(names, sums.means()))
+        if callable(summarize_rows):
+            idx, rows = gather_eval_rows(parts.eval_indices.to(self.device), torch.cat(columns), self.world_size)
+            rows = rows[idx.argsort()]  # in the data set's order
+            means.update({k: float(v) for k, v in summarize_rows({n: rows[:, j] for j, n in enumerate(names)}).items()})
         summarize = getattr(self.task, "summarize", None)
         if callable(summarize):
             means.update({k: float(v) for k, v in summarize(dict(means)).items()})
         self.metrics.on_eval(dict(means))
-        return {**{f"eval_{k}": v for k, v in means.items()}, "num_samples": int(idx.numel())}
+        return {**{f"eval_{k}": v for k, v in means.items()}, "num_samples": sums.num_samples()}
 
     def _check_eval_names(self, values) -> list[str]:
         if not isinstance(values, dict) or not values:

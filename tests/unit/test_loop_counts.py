@@ -50,6 +50,34 @@ class CountingTask(Classification):
         return super().evaluate(model, batch)
 
 
+class RowsTask(CountingTask):
+    """A task whose metric needs every value (a median): the kit gathers them for it, in the data set's order."""
+
+    def summarize_rows(self, rows: dict) -> dict:
+        return {"rows": len(rows["loss"]), "median_loss": rows["loss"].median().item()}
+
+
+class CollectiveTraffic:
+    """Counts the elements each rank sends through all_gather and all_reduce while it is active."""
+
+    def __init__(self, monkeypatch_target):
+        self.target, self.sent = monkeypatch_target, {"all_gather": 0, "all_reduce": 0}
+
+    def __enter__(self):
+        self.saved = {name: getattr(self.target, name) for name in self.sent}
+        for name, fn in self.saved.items():
+            def counted(*args, _name=name, _fn=fn, **kwargs):
+                tensor = args[1] if _name == "all_gather" else args[0]
+                self.sent[_name] += tensor.numel()
+                return _fn(*args, **kwargs)
+            setattr(self.target, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(self.target, name, fn)
+
+
 BASE = ["data.name=tests.unit.test_loop_counts:tiny_data", "model.name=torch.nn:Linear",
         "model.args={in_features: 4, out_features: 2}", "task.name=tests.unit.test_loop_counts:CountingTask",
         f"data.batch_size={BATCH}", "train.epochs=3", "metrics.enabled=false", "train.warmup_epochs=0"]
@@ -78,8 +106,15 @@ def _counts_worker(rank: int, world: int, port: int, out: str, storage: str) -> 
                                     every_steps=cfg.checkpoint.every_steps)
         trainer = Trainer(cfg, rt, build_parts(cfg, rt), checkpointer, metrics)
         summary = trainer.fit()
-        results[name] = {"summary": summary, "evals": metrics.evals, "progress": metrics.progress,
+        results[name] = {"summary": summary, "evals": list(metrics.evals), "progress": list(metrics.progress),
                          "passes": _passes(trainer.task, world)}
+        if name == "three-epochs":  # what one evaluation sends, for a task of means and one of every row
+            with CollectiveTraffic(dist) as means_only:
+                trainer.evaluate()
+            trainer.task = RowsTask()
+            with CollectiveTraffic(dist) as rows:
+                rows_result = trainer.evaluate()
+            results["traffic"] = {"means": means_only.sent, "rows": rows.sent, "rows_result": rows_result}
     # `ray-app eval`'s worker side, on the newest checkpoint
     cfg = load_config(None, BASE + ["run.name=three-epochs", f"run.storage={storage}"])
     result, trainer = launch._eval(cfg, FakeRuntime(rank, world), RunStats(),
@@ -137,3 +172,17 @@ def test_logged_samples_are_the_exact_total_of_all_ranks(counted):
     assert progress
     # one batch per step on every rank; rank r's task says each averages over r + 1 samples
     assert {p["samples"] for p in progress} == {sum(r + 1 for r in range(world))}
+
+
+@pytest.mark.timeout(180)
+def test_evaluation_all_reduces_sums_and_counts_and_gathers_rows_only_for_a_task_that_needs_them(counted):
+    world, ranks = counted
+    for r in ranks:
+        t = r["traffic"]
+        # means: no gather; the all_reduce holds per-metric sums and one count, whatever the eval set's size
+        assert t["means"]["all_gather"] == 0
+        assert t["means"]["all_reduce"] < 500
+        # summarize_rows: each rank's rows (index + 2 metrics) are gathered, padding dropped before the hook
+        assert t["rows"]["all_gather"] == math.ceil(N_EVAL / world) * 3
+        assert t["rows_result"]["eval_rows"] == N_EVAL
+        assert t["rows_result"]["eval_accuracy"] == r["three-epochs"]["summary"]["eval_accuracy"]

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified, verify
 from ray_app.config import load_config
 from ray_app.loop import (
+    ExactSums,
     MetricsSink,
     ResumableDistributedSampler,
     Runtime,
@@ -78,6 +79,15 @@ def eval_table(n: int = EVAL_N, classes: int = 10):
     return logits, targets
 
 
+def hard_values(n: int = EVAL_N) -> torch.Tensor:
+    """Values whose float64 sum depends on the order it is taken in: both signs, magnitudes 1e-12..1e12,
+    a subnormal."""
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-12, 13, (n,), generator=g)
+    v[7] = 5e-324
+    return v
+
+
 UNEQUAL = {0: 3, 1: 10, 2: 1}  # samples per rank for the global-mean check
 
 
@@ -106,6 +116,14 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
     result["eval"] = {"indices": idx.tolist(), "accuracy": (p == t).double().mean().item(),
                       "loss": loss.mean().item(), "num_samples": int(idx.numel()),
                       "padded_count": len(local_idx) * world}
+    # practice 5 without gathering: masked, exact sums of every rank's values, one all_reduce
+    values = torch.stack([F.cross_entropy(logits, targets, reduction="none").double(), hard_values()], dim=1)
+    keep = torch.arange(len(local_idx)) * world + rank < EVAL_N  # = build_parts' eval_keep
+    sums = ExactSums(2, torch.device("cpu"))
+    for start in range(0, len(local_idx), 16):  # batch by batch, as the loop adds them
+        sums.add(values[local_idx[start:start + 16]], keep[start:start + 16])
+    sums.all_reduce()
+    result["reduced"] = {"means": sums.means(), "num_samples": sums.num_samples()}
     # practice 4: sample-weighted global mean of unequal per-rank sums
     mine = rank_losses(rank)
     result["global_mean"] = global_mean(mine.sum(), torch.tensor(float(len(mine))))
@@ -294,6 +312,20 @@ def test_eval_accuracy_and_loss_equal_single_process_exactly(collectives):
         assert ev["accuracy"] == acc
         assert ev["loss"] == loss
         assert ev["padded_count"] > EVAL_N  # the sampler did pad: duplicates were really removed
+
+
+@pytest.mark.timeout(120)
+def test_reduced_eval_means_equal_a_single_process_fsum_exactly(collectives):
+    """Masked sums and counts, all-reduced, at 2 and 3 ranks: padding excluded, and the mean of values whose
+    naive float sum depends on their order equals math.fsum(values) / n of one process, bit for bit."""
+    world, ranks = collectives
+    logits, targets = eval_table()
+    losses = F.cross_entropy(logits, targets, reduction="none").double().tolist()
+    hard = hard_values().tolist()
+    assert math.fsum(hard) != sum(hard) or math.fsum(hard[::-1]) != sum(hard[::-1])  # the order matters here
+    for r in ranks:
+        assert r["reduced"]["num_samples"] == EVAL_N
+        assert r["reduced"]["means"] == [math.fsum(losses) / EVAL_N, math.fsum(hard) / EVAL_N]
 
 
 def test_global_mean_is_sample_weighted(collectives):
