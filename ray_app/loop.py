@@ -202,14 +202,29 @@ class ExactSums:
     ``all_reduce`` makes them every rank's (O(metrics) numbers, not O(samples)). ``means()`` rounds once:
     it equals ``math.fsum(values) / n`` over the distinct samples of a single process, bit for bit."""
 
+    CHUNK_ROWS = 1 << 16  # batches are summed in chunks of this many rows: fewer, larger tensor ops
+
     def __init__(self, num_metrics: int, device: torch.device):
         self.limbs = torch.zeros(num_metrics, _LIMBS, dtype=torch.int64, device=device)
         self.special = torch.zeros(num_metrics, 3, dtype=torch.int64, device=device)  # nan, +inf, -inf
         self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_rows = 0
 
     def add(self, values: torch.Tensor, keep: torch.Tensor) -> None:
         """``values`` [B, K] float64; ``keep`` [B] bool (False: a padded duplicate)."""
-        keep = keep.to(values.device)
+        self._pending.append((values, keep.to(values.device)))
+        self._pending_rows += values.shape[0]
+        if self._pending_rows >= self.CHUNK_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            values, keep = (torch.cat(t) for t in zip(*self._pending))
+            self._pending, self._pending_rows = [], 0
+            self._add(values, keep)
+
+    def _add(self, values: torch.Tensor, keep: torch.Tensor) -> None:
         k = keep.unsqueeze(1).to(torch.int64)
         finite = torch.isfinite(values)
         self.special += torch.stack([torch.isnan(values), values == math.inf, values == -math.inf], dim=2) \
@@ -225,6 +240,7 @@ class ExactSums:
         self.count += keep.sum()
 
     def all_reduce(self) -> None:
+        self._flush()
         t = torch.cat([self.limbs.flatten(), self.special.flatten(), self.count])
         dist.all_reduce(t)  # sync point: all ranks (sums and counts only, padding already masked)
         n_limbs, n_special = self.limbs.numel(), self.special.numel()
