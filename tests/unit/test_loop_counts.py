@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from ray_app.checkpoint import Checkpointer
-from ray_app.config import load_config
+from ray_app.config import ConfigError, load_config
 from ray_app.loop import RunStats, Trainer, build_parts
 from ray_app.storage import LocalStorage
 from ray_app.tasks import Classification
@@ -120,6 +121,18 @@ def _counts_worker(rank: int, world: int, port: int, out: str, storage: str) -> 
     result, trainer = launch._eval(cfg, FakeRuntime(rank, world), RunStats(),
                                    results["three-epochs"]["summary"]["checkpoint"])
     results["eval"] = {"result": result, "passes": _passes(trainer.task, world)}
+    # the driver of `ray-app eval` reads only the config: a damaged model is found here, as bad input
+    if rank == 0:
+        path = Path(result["checkpoint"]) / "model.pt"
+        data = bytearray(path.read_bytes())
+        data[-20] ^= 1
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        launch._eval(cfg, FakeRuntime(rank, world), RunStats(), result["checkpoint"])
+        results["damaged"] = None
+    except ConfigError as exc:
+        results["damaged"] = str(exc)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     _finish()
 
@@ -150,6 +163,7 @@ def test_ray_app_eval_evaluates_once(counted):
     for r in ranks:
         assert r["eval"]["passes"] == 1
         assert r["eval"]["result"]["eval_accuracy"] == r["three-epochs"]["summary"]["eval_accuracy"]
+        assert "failed verification: sha256 mismatch in model.pt" in r["damaged"]  # exit 2, one line
 
 
 @pytest.mark.timeout(180)
