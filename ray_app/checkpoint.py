@@ -320,15 +320,13 @@ def newest_committed_config(storage, run: str) -> tuple[str, dict] | None:
 
 
 def _committed_config(storage, rel: str) -> tuple[str, dict] | None:
-    """(URI, config) of one checkpoint if its manifest lists a config.json that matches; else None."""
-    if MANIFEST not in storage.list_files(rel):
-        return None  # not committed
-    try:
-        entry = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))["files"]["config.json"]["sha256"]
-    except _MALFORMED:
-        return None
+    """(URI, config) of one checkpoint if its manifest checks out (``check_manifest``: every file present at
+    its size) and its config.json matches it; else None. Reads the manifest and config.json only."""
+    v = check_manifest(storage, rel, fmt=FORMAT)
+    if not v.ok:
+        return None  # not committed, incomplete, or not the loop's
     data = storage.read_bytes(f"{rel}/config.json")
-    if hashlib.sha256(data).hexdigest() != entry:
+    if hashlib.sha256(data).hexdigest() != v.manifest["files"]["config.json"]["sha256"]:
         return None
     try:
         return storage.uri(rel), json.loads(data)
@@ -428,8 +426,10 @@ def committed_config(uri: str) -> tuple[str, dict]:
     if found is None:
         if not storage.list_files(last):
             raise StorageError(f"{uri}: no such checkpoint; list them with `ray-app checkpoints list RUN_URI`")
-        raise CheckpointError(f"checkpoint {storage.uri(last)} failed verification: no manifest, or its "
-                              "config.json does not match it; see `ray-app checkpoints verify`")
+        v = check_manifest(storage, last, fmt=FORMAT)
+        reason = v.reason if not v.ok else "sha256 mismatch in config.json"
+        raise CheckpointError(f"checkpoint {storage.uri(last)} failed verification: {reason}; "
+                              "see `ray-app checkpoints verify`")
     return found
 
 
