@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -51,6 +52,15 @@ PREFIX = "ckpt-s"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted (missing, incomplete, tampered)."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files do not match its manifest (missing, incomplete, damaged, tampered): a restore
+    skips it for the next older one. Storage errors are never this."""
+
+    def __init__(self, uri: str, reason: str):
+        super().__init__(f"checkpoint {uri} failed verification: {reason}")
+        self.uri, self.reason = uri, reason
 
 
 def checkpoint_dir_name(global_step: int) -> str:
@@ -224,40 +234,62 @@ def manifest_format(manifest: dict) -> str:
     return found
 
 
-def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
-    """Check every manifest entry (presence, size, sha256) without loading anything.
+_MALFORMED = (ValueError, KeyError, TypeError, AttributeError)  # what parsing a malformed manifest raises
 
-    ``fmt``: the format the caller can load (None: any of ``REQUIRED_FILES``, as ``ray-app checkpoints`` lists)."""
-    name = name or rel.rsplit("/", 1)[-1]
-    try:
-        present = storage.list_files(rel)
-    except Exception as exc:  # storage errors surface as "not verified"
-        return Verification(name, False, [f"cannot list: {type(exc).__name__}"], None)
+
+def _check(storage, rel: str, name: str, fmt: str | None) -> tuple[Verification, dict[str, int]]:
+    """(what ``check_manifest`` says, the files present with their sizes)."""
+    present = storage.list_files(rel)  # a storage error propagates: an outage is no reason to skip a checkpoint
     if MANIFEST not in present:
-        return Verification(name, False, ["no manifest (incomplete or not a ray_app checkpoint)"], None)
+        return Verification(name, False, ["no manifest (incomplete or not a ray_app checkpoint)"], None), present
+    raw = storage.read_bytes(f"{rel}/{MANIFEST}")  # likewise
     try:
-        manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
-        entries = dict(manifest["files"])
-    except Exception:
-        return Verification(name, False, ["manifest unreadable (not JSON with a files mapping)"], None)
+        manifest = json.loads(raw)
+        entries = {str(k): (str(m["sha256"]), int(m["bytes"])) for k, m in dict(manifest["files"]).items()}
+    except _MALFORMED:
+        return Verification(name, False, ["manifest unreadable (not JSON with a files mapping)"], None), present
     try:
         found = manifest_format(manifest)
     except CheckpointError as exc:
-        return Verification(name, False, [str(exc)], None)
+        return Verification(name, False, [str(exc)], None), present
     if fmt is not None and found != fmt:
-        return Verification(name, False, [f"a {found} checkpoint, not {fmt}"], manifest)
+        return Verification(name, False, [f"a {found} checkpoint, not {fmt}"], manifest), present
     problems = []
-    for fname, meta in sorted(entries.items()):
+    for fname, (_, size) in sorted(entries.items()):
         if fname not in present:
             problems.append(f"missing file {fname}")
-        elif present[fname] != meta["bytes"]:
+        elif present[fname] != size:
             problems.append(f"size mismatch in {fname}")
-        elif hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
-            problems.append(f"sha256 mismatch in {fname}")
     for required in REQUIRED_FILES[found]:
         if required not in entries:
             problems.append(f"manifest lists no {required}")
-    return Verification(name, not problems, problems, manifest)
+    return Verification(name, not problems, problems, manifest), present
+
+
+def check_manifest(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
+    """What can be checked reading nothing but the manifest: it parses, its format, every file it lists is
+    present at its size, the format's required files are listed. The sha256 of each file is checked where
+    the file is read (``load_verified``, ``verify``).
+
+    Content problems make a not-ok Verification; storage errors (listing or reading the manifest) propagate,
+    so a caller waits an outage out or fails over, never skips a good checkpoint for it."""
+    return _check(storage, rel, name or rel.rsplit("/", 1)[-1], fmt)[0]
+
+
+def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
+    """Check every manifest entry (presence, size, sha256) without loading anything.
+
+    ``fmt``: the format the caller can load (None: any of ``REQUIRED_FILES``, as ``ray-app checkpoints`` lists).
+    Storage errors propagate (``check_manifest``)."""
+    v, present = _check(storage, rel, name or rel.rsplit("/", 1)[-1], fmt)
+    if v.manifest is None or (fmt is not None and v.manifest.get("format") != fmt):
+        return v
+    problems = list(v.problems)
+    for fname, meta in sorted(v.manifest["files"].items()):
+        if present.get(fname) == meta["bytes"] and \
+                hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
+            problems.append(f"sha256 mismatch in {fname}")
+    return Verification(v.name, not problems, problems, v.manifest)
 
 
 def list_checkpoints(storage, run: str) -> list[str]:
@@ -279,18 +311,28 @@ def newest_verified(storage, run: str, warn=log.warning, fmt: str = FORMAT) -> t
 
 def newest_committed_config(storage, run: str) -> tuple[str, dict] | None:
     """(URI, config) of the newest checkpoint of a run that has a manifest, its config.json checked against
-    it (cheap: the other files are not read). None when the run has no committed checkpoint."""
+    it (cheap: the other files are not read). None when the run has no committed checkpoint.
+    Storage errors propagate."""
     for name in reversed(list_checkpoints(storage, run)):
-        rel = f"{run}/{name}"
-        try:
-            manifest = json.loads(storage.read_bytes(f"{rel}/{MANIFEST}"))
-            entry = manifest["files"]["config.json"]
-            data = storage.read_bytes(f"{rel}/config.json")
-        except Exception:  # no manifest (not committed) or unreadable: not a checkpoint to resume from
-            continue
-        if hashlib.sha256(data).hexdigest() == entry.get("sha256"):
-            return storage.uri(rel), json.loads(data)
+        found = _committed_config(storage, f"{run}/{name}")
+        if found is not None:
+            return found
     return None
+
+
+def _committed_config(storage, rel: str) -> tuple[str, dict] | None:
+    """(URI, config) of one checkpoint if its manifest checks out (``check_manifest``: every file present at
+    its size) and its config.json matches it; else None. Reads the manifest and config.json only."""
+    v = check_manifest(storage, rel, fmt=FORMAT)
+    if not v.ok:
+        return None  # not committed, incomplete, or not the loop's
+    data = storage.read_bytes(f"{rel}/config.json")
+    if hashlib.sha256(data).hexdigest() != v.manifest["files"]["config.json"]["sha256"]:
+        return None
+    try:
+        return storage.uri(rel), json.loads(data)
+    except _MALFORMED:
+        return None
 
 
 # ---------------------------------------------------------------- loading
@@ -317,55 +359,113 @@ def load_torch_bytes(data: bytes, where: str = "checkpoint file"):
 
 
 def read_verified(storage, rel: str, files: dict, name: str) -> bytes:
-    """One file of a checkpoint, hashed as read against its manifest entry (``files``: the manifest's)."""
+    """One file of a checkpoint, read once and hashed against its manifest entry (``files``: the manifest's);
+    CheckpointDamaged if it does not match."""
     data = storage.read_bytes(f"{rel}/{name}")
     if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
-        raise CheckpointError(f"checkpoint {storage.uri(rel)}: {name} changed after verification")
+        raise CheckpointDamaged(storage.uri(rel), f"sha256 mismatch in {name}")
     return data
 
 
-def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool = False) -> LoadedCheckpoint:
-    """Verify, then load (each file hashed as read, so a change after verification is caught too)."""
-    v = verify(storage, rel, fmt=FORMAT)
-    if not v.ok:
-        raise CheckpointError(f"checkpoint {storage.uri(rel)} failed verification: {v.reason}")
-    files = v.manifest["files"]
+MODEL_FILES = ("model.pt", "state.json", "config.json")  # what evaluation and export load
 
-    def read(name: str) -> bytes:
-        return read_verified(storage, rel, files, name)
+
+def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool = False,
+                  checked: Verification | None = None) -> LoadedCheckpoint:
+    """Load a checkpoint whose manifest checks out (``checked``: its ``check_manifest``, if the caller has it),
+    reading each file once and hashing it as read: CheckpointDamaged if one does not match.
+
+    A restore reads every file the manifest lists, other ranks' RNG files too (small), so every rank comes
+    to the same verdict on the same bytes; ``model_only`` reads only ``MODEL_FILES``."""
+    v = checked if checked is not None else check_manifest(storage, rel, fmt=FORMAT)
+    if not v.ok:
+        raise CheckpointDamaged(storage.uri(rel), v.reason)
+    files = v.manifest["files"]
+    rng_name = f"rng/rank_{rank}.pt"
+    used = {*MODEL_FILES, "optimizer.pt", "scheduler.pt", rng_name}
+    data = {}
+    for name in (MODEL_FILES if model_only else sorted(files)):
+        content = read_verified(storage, rel, files, name)
+        if name in used:
+            data[name] = content
 
     def load(name: str):
-        return load_torch_bytes(read(name), f"{storage.uri(rel)}/{name}")
+        return load_torch_bytes(data[name], f"{storage.uri(rel)}/{name}")
 
     model = load("model.pt")
-    state = json.loads(read("state.json"))
-    config = json.loads(read("config.json"))
+    state = json.loads(data["state.json"])
+    config = json.loads(data["config.json"])
+    created = v.manifest.get("created", 0.0)
     if model_only:
-        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, None, state, config,
-                                v.manifest.get("created", 0.0))
-    rng_name = f"rng/rank_{rank}.pt"
-    rng = load(rng_name) if rank is not None and rng_name in files else None
-    return LoadedCheckpoint(
-        storage.uri(rel), model, load("optimizer.pt"),
-        load("scheduler.pt") if "scheduler.pt" in files else {},
-        rng, state, config, v.manifest.get("created", 0.0),
-    )
+        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, None, state, config, created)
+    rng = load(rng_name) if rank is not None and rng_name in data else None
+    return LoadedCheckpoint(storage.uri(rel), model, load("optimizer.pt"),
+                            load("scheduler.pt") if "scheduler.pt" in data else {}, rng, state, config, created)
 
 
-def resolve_checkpoint_uri(uri: str) -> tuple[object, str]:
-    """A checkpoint URI, or a run URI (-> its newest verified checkpoint), as (storage, rel)."""
+def load_newest(storage, rels: list[str], rank: int | None, warn=log.warning) -> LoadedCheckpoint | None:
+    """The first of ``rels`` (newest first) that loads: one whose manifest does not check out, or whose
+    files do not match it, is skipped with a warning. Storage errors propagate."""
+    for rel in rels:
+        try:
+            return load_verified(storage, rel, rank)
+        except CheckpointDamaged as exc:
+            warn(f"skipping checkpoint {exc.uri}: {exc.reason}")
+    return None
+
+
+def committed_config(uri: str) -> tuple[str, dict]:
+    """(URI, config) of a checkpoint URI, or of a run URI's newest committed checkpoint, reading only its
+    manifest and config.json (checked against it): what the driver compares before a warm start."""
+    storage, last = split_uri(uri)
+    if not last.startswith(PREFIX):
+        found = newest_committed_config(storage, last)
+        if found is None:
+            _no_checkpoint(uri, storage, last)
+        return found
+    found = _committed_config(storage, last)
+    if found is None:
+        if not storage.list_files(last):
+            raise StorageError(f"{uri}: no such checkpoint; list them with `ray-app checkpoints list RUN_URI`")
+        v = check_manifest(storage, last, fmt=FORMAT)
+        reason = v.reason if not v.ok else "sha256 mismatch in config.json"
+        raise CheckpointError(f"checkpoint {storage.uri(last)} failed verification: {reason}; "
+                              "see `ray-app checkpoints verify`")
+    return found
+
+
+def _no_checkpoint(uri: str, storage, run: str) -> NoReturn:
+    if list_checkpoints(storage, run):
+        raise CheckpointError(f"{uri}: no checkpoint of this run passes verification; "
+                              "see `ray-app checkpoints verify`")
+    raise StorageError(f"{uri}: no checkpoints found; pass a run URI such as runs/NAME or s3://bucket/prefix/NAME")
+
+
+def checkpoint_rels(uri: str) -> tuple[object, list[str]]:
+    """(storage, rels newest first) of a checkpoint URI (one) or a run URI (its checkpoints)."""
     storage, last = split_uri(uri)
     if last.startswith(PREFIX):
         if not storage.list_files(last):
             raise StorageError(f"{uri}: no such checkpoint; list them with `ray-app checkpoints list RUN_URI`")
-        return storage, last
-    name, _ = newest_verified(storage, last)
-    if name is None:
-        if list_checkpoints(storage, last):
-            raise CheckpointError(f"{uri}: no checkpoint of this run passes verification; "
-                                  "see `ray-app checkpoints verify`")
-        raise StorageError(f"{uri}: no checkpoints found; pass a run URI such as runs/NAME or s3://bucket/prefix/NAME")
-    return storage, f"{last}/{name}"
+        return storage, [last]
+    names = list_checkpoints(storage, last)
+    if not names:
+        _no_checkpoint(uri, storage, last)
+    return storage, [f"{last}/{n}" for n in reversed(names)]
+
+
+def resolve_checkpoint_uri(uri: str) -> tuple[object, str]:
+    """A checkpoint URI, or a run URI (-> its newest checkpoint whose manifest checks out), as (storage, rel).
+    No file but manifests is read: ``load_verified`` hashes what it loads."""
+    storage, rels = checkpoint_rels(uri)
+    if uri.rstrip("/").rsplit("/", 1)[-1].startswith(PREFIX):
+        return storage, rels[0]
+    for rel in rels:
+        v = check_manifest(storage, rel, fmt=FORMAT)
+        if v.ok:
+            return storage, rel
+        log.warning(f"skipping checkpoint {storage.uri(rel)}: {v.reason}")
+    _no_checkpoint(uri, storage, rels[0].rsplit("/", 1)[0])
 
 
 class Checkpointer:
@@ -411,23 +511,20 @@ class Checkpointer:
         return trained and bool(self.every_epochs or self.every_steps)
 
     # ------------------------------------------------------------ restore
-    def choose(self) -> tuple[object, str] | None:
-        """(storage, rel) of the checkpoint to start from, or None for a fresh start."""
-        name, _ = newest_verified(self.storage, self.run, warn=self.warn)
-        if name is not None:
-            return self.storage, f"{self.run}/{name}"
-        if self.resume_from:
-            self.warm_start = True
-            return resolve_checkpoint_uri(self.resume_from)
-        return None
-
     def restore(self, rank: int) -> LoadedCheckpoint | None:
-        chosen = self.choose()
-        if chosen is None:
-            return None
-        storage, rel = chosen
-        loaded = load_verified(storage, rel, rank)
-        self.last_uri = loaded.uri
+        """The newest checkpoint of this run that loads (broken newer ones skipped with a warning), else
+        run.resume_from's (a warm start), else None for a fresh start. Each file is read once."""
+        rels = [f"{self.run}/{name}" for name in reversed(list_checkpoints(self.storage, self.run))]
+        loaded = load_newest(self.storage, rels, rank, self.warn)
+        if loaded is None and self.resume_from:
+            self.warm_start = True
+            storage, rels = checkpoint_rels(self.resume_from)
+            loaded = load_newest(storage, rels, rank, self.warn)
+            if loaded is None:
+                raise CheckpointError(f"run.resume_from {self.resume_from}: no checkpoint passes verification; "
+                                      "see `ray-app checkpoints verify`")
+        if loaded is not None:
+            self.last_uri = loaded.uri
         return loaded
 
     # ------------------------------------------------------------ save

@@ -9,9 +9,12 @@ fix (the CLI turns it into one line on stderr and exit code 2).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +179,24 @@ def _section_class(name: str):
     return {f.name: f.default_factory for f in dataclasses.fields(Config)}[name]
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """name -> (type, optional) of each field of a config section: annotations resolved with
+    ``typing.get_type_hints`` (this module's are strings), generics to their origin (``dict[str, Any]``
+    -> ``dict``), ``X | None`` / ``Optional[X]`` to ``(X, True)``."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        optional = False
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(hint))
+            if len(args) != 1:
+                raise TypeError(f"{cls.__name__}.{name}: a config key has one type (and maybe None), not {hint}")
+            hint = args[0]
+        out[name] = (typing.get_origin(hint) or hint, optional)
+    return out
+
+
 def _type_name(t) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
@@ -198,11 +219,13 @@ def _merge_args(current: dict, new: dict) -> dict:
     return merged
 
 
-def _coerce(key: str, value: Any, fld: dataclasses.Field) -> Any:
-    """Check one value against its field's type and bounds; return it typed."""
-    if fld.type == "dict":
+def _coerce(key: str, value: Any, fld: dataclasses.Field, typ: tuple[type, bool]) -> Any:
+    """Check one value against its field's type (``field_types``) and bounds; return it typed."""
+    t, optional = typ
+    if value is None and optional:
+        return None
+    if t is dict:
         return _plain_args(key, value)
-    t = {"int": int, "float": float, "bool": bool, "str": str}.get(fld.type, fld.type)
     meta = fld.metadata
     ok = (
         (t is bool and isinstance(value, bool))
@@ -246,6 +269,7 @@ def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> No
             raise ConfigError(f"{origin}: section {section} must be a mapping of keys")
         obj = getattr(cfg, section)
         fields = {f.name: f for f in dataclasses.fields(obj)}
+        types_ = field_types(type(obj))
         for key, value in values.items():
             if key not in fields and section == "data" and key in LEGACY_DATA_KEYS:
                 raise ConfigError(f"{origin}: config key data.{key} is now data.args.{key} (an argument of the "
@@ -254,16 +278,18 @@ def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> No
                 raise ConfigError(
                     f"{origin}: unknown config key {section}.{key}; known keys in {section}: {', '.join(fields)}"
                 )
-            value = _coerce(f"{section}.{key}", value, fields[key])
-            if fields[key].type == "dict" and merge_args:
+            value = _coerce(f"{section}.{key}", value, fields[key], types_[key])
+            if types_[key][0] is dict and merge_args:
                 value = _merge_args(getattr(obj, key), value)
             setattr(obj, key, value)
 
 
-def _field(section: str, key: str) -> dataclasses.Field | None:
+def _field_type(section: str, key: str) -> type | None:
+    """The type of config key ``section.key`` (``dict`` for a plug-in's args), None if there is no such key."""
     if section not in SECTIONS:
         return None
-    return {f.name: f for f in dataclasses.fields(_section_class(section)())}.get(key)
+    found = field_types(_section_class(section)).get(key)
+    return found[0] if found else None
 
 
 def parse_override(text: str) -> dict:
@@ -272,8 +298,7 @@ def parse_override(text: str) -> dict:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example --set train.epochs=5")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) > 2 and all(parts) and _field(parts[0], parts[1]) is not None \
-            and _field(parts[0], parts[1]).type == "dict":
+    if len(parts) > 2 and all(parts) and _field_type(parts[0], parts[1]) is dict:
         # section.args.name=value (or deeper): one keyword argument of a plug-in, a YAML scalar
         value: Any = _yaml_scalar(raw, text, key.strip())
         for name in reversed(parts[2:]):
@@ -281,8 +306,7 @@ def parse_override(text: str) -> dict:
         return {parts[0]: {parts[1]: value}}
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"--set {text!r}: KEY must be section.key (or section.args.name), for example train.epochs")
-    fld = _field(parts[0], parts[1])
-    if fld is not None and fld.type == "str":
+    if _field_type(parts[0], parts[1]) is str:
         return {parts[0]: {parts[1]: raw.strip()}}  # taken as written: run.name=007 stays "007"
     return {parts[0]: {parts[1]: _yaml_scalar(raw, text, key.strip())}}
 

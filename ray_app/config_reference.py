@@ -15,10 +15,10 @@ import dataclasses
 import json
 from typing import Any
 
-from ray_app.config import Config
+from ray_app.config import Config, field_types
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-_JSON_TYPES = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "dict": "object"}
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object"}
 
 
 def sections() -> list[tuple[str, type]]:
@@ -38,7 +38,8 @@ def describe_keys() -> list[tuple[str, str, Any, str]]:
             help_text = f.metadata["help"]
             if f.metadata.get("choices"):
                 help_text += f" One of: {', '.join(f.metadata['choices'])}."
-            rows.append((f"{section}.{f.name}", f.type, _default(f), help_text))
+            typ, optional = field_types(cls)[f.name]
+            rows.append((f"{section}.{f.name}", typ.__name__ + (" | None" if optional else ""), _default(f), help_text))
     return rows
 
 
@@ -68,10 +69,12 @@ def keys_text() -> str:
     return "".join(f"{k:<{widths[0]}}  {t:<{widths[1]}}  {d:<{widths[2]}}  {h}\n" for k, t, d, h in rows)
 
 
-def _key_schema(f: dataclasses.Field) -> dict:
+def _key_schema(cls: type, f: dataclasses.Field) -> dict:
     meta = f.metadata
-    schema = {"type": _JSON_TYPES[f.type], "description": meta["help"], "default": _default(f)}
-    if f.type == "dict":
+    typ, optional = field_types(cls)[f.name]
+    schema = {"type": [_JSON_TYPES[typ], "null"] if optional else _JSON_TYPES[typ], "description": meta["help"],
+              "default": _default(f)}
+    if typ is dict:
         schema["additionalProperties"] = True  # a plug-in's keyword arguments: whatever it takes
     if meta.get("choices"):
         schema["enum"] = list(meta["choices"])
@@ -83,7 +86,7 @@ def _key_schema(f: dataclasses.Field) -> dict:
 
 def _section_schema(cls: type) -> dict:
     return {"type": ["object", "null"], "description": cls.__doc__, "additionalProperties": False,
-            "properties": {f.name: _key_schema(f) for f in dataclasses.fields(cls)}}
+            "properties": {f.name: _key_schema(cls, f) for f in dataclasses.fields(cls)}}
 
 
 def config_schema() -> dict:

@@ -265,18 +265,17 @@ def preflight_run(cfg: Config):
     preflight(storage)
     _check_resume(cfg, storage)
     if cfg.run.resume_from:
-        from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+        from ray_app.checkpoint import CheckpointError, committed_config
 
         try:
-            rs, rel = resolve_checkpoint_uri(cfg.run.resume_from)
-            loaded = load_verified(rs, rel, rank=None, model_only=True)
+            uri, saved = committed_config(cfg.run.resume_from)  # its manifest and config.json only
         except (CheckpointError, StorageError) as exc:
             raise UserError(f"config key run.resume_from: {exc}") from None
         from ray_app.config import resume_conflicts
 
-        model_changes = [c for c in resume_conflicts(loaded.config, cfg) if c.startswith("model.")]
+        model_changes = [c for c in resume_conflicts(saved, cfg) if c.startswith("model.")]
         if model_changes:
-            raise UserError(f"config key run.resume_from: {loaded.uri} holds another model "
+            raise UserError(f"config key run.resume_from: {uri} holds another model "
                             f"({', '.join(model_changes)}); its weights cannot be loaded into this one")
     return storage
 
@@ -408,19 +407,18 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     are rebuilt from the checkpoint's own config (``--set`` may change keys such as ``scaling.num_workers``)."""
     import tempfile
 
-    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+    from ray_app.checkpoint import CheckpointError, committed_config
 
     try:
-        storage, rel = resolve_checkpoint_uri(uri)
-        loaded = load_verified(storage, rel, rank=None, model_only=True)
+        checkpoint, saved = committed_config(uri)  # its manifest and config.json: the workers load the rest
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     try:
-        cfg = config_from_dict(loaded.config, overrides)
+        cfg = config_from_dict(saved, overrides)
     except ConfigError as exc:
         raise ConfigError(f"--set: {exc}") from None
     validate_before_ray(cfg)
-    m = launch(cfg, {"mode": "eval", "checkpoint": loaded.uri}, f"eval-{cfg.run.name}",
+    m = launch(cfg, {"mode": "eval", "checkpoint": checkpoint}, f"eval-{cfg.run.name}",
                tempfile.mkdtemp(prefix="ray-app-eval-"))
     return {"checkpoint": m["checkpoint"], "global_step": m["global_step"],
             **{k: v for k, v in m.items() if k.startswith("eval_")},

@@ -9,9 +9,11 @@ links here, and the code marks each as ``practice N``):
 3. DDP averages gradients with its bucketed all-reduce, overlapped with backward
    (skipped with ``no_sync`` on non-final gradient-accumulation micro-steps);
 4. the logged loss is the sample-weighted global mean over ranks (one ``all_reduce``);
-5. evaluation gathers every rank's per-sample values by the sampler's indices
-   (``all_gather``) and drops the padded duplicates, so each metric equals a
-   single-process evaluation exactly;
+5. evaluation sums every rank's per-sample values, the sampler's padded duplicates
+   masked out, exactly (whatever the order), and all-reduces the sums and the count
+   (one ``all_reduce`` of O(metrics) numbers), so each mean equals a single-process
+   evaluation exactly; only a task that needs every value (``summarize_rows``) has
+   them gathered (``all_gather``) by the sampler's indices;
 6. rank 0 alone logs progress, writes checkpoints and serves metrics (every rank prints one
    line at the start: its host and device).
 
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ray_app import __version__
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, restore_rng_state
+from ray_app.checkpoint import CheckpointError, CheckpointPayload, capture_rng_state, restore_rng_state
 from ray_app.config import Config, resume_conflicts
 from ray_app.plugins import PluginError, build_data, build_model, build_task
 from ray_app.preemption import STOP, TRAINING, Agreement, Preempted, Stopped
@@ -159,11 +161,17 @@ def assert_identical_parameters(model: torch.nn.Module) -> None:
         raise RuntimeError("ranks hold different parameters after DDP wrapping")
 
 
-def global_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
-    """Practice 4: sample-weighted mean over all ranks (one all_reduce of [sum, n])."""
+def global_sum_and_count(loss_sum: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
+    """Practice 4: (sum, n) over all ranks (one all_reduce of [sum, n])."""
     t = torch.stack([torch.as_tensor(loss_sum).double(), torch.as_tensor(count, device=loss_sum.device).double()])
     dist.all_reduce(t)  # sync point: all ranks
-    return (t[0] / t[1].clamp(min=1)).item()
+    return t[0].item(), t[1].item()
+
+
+def global_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> float:
+    """Practice 4: sample-weighted mean over all ranks (one all_reduce of [sum, n])."""
+    total, n = global_sum_and_count(loss_sum, count)
+    return total / max(n, 1.0)
 
 
 def gather_eval_rows(indices: torch.Tensor, values: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +188,85 @@ def gather_eval_rows(indices: torch.Tensor, values: torch.Tensor, world_size: in
     _, first = np.unique(rows[:, 0].numpy(), return_index=True)
     unique = rows[torch.from_numpy(np.sort(first))]
     return unique[:, 0].long(), unique[:, 1:]
+
+
+# Exact sums of float64 values, whatever their order (and so the world size): every finite float64 is
+# M * 2^(e - 53) with an integer |M| < 2^53 and e - 53 >= -1126, an integer multiple of 2^-1126; its
+# 16-bit pieces are counted in int64 limbs (each add < 2^32: exact for up to 2^31 samples).
+_EXACT_SHIFT, _LIMB_BITS = 1126, 16
+_LIMBS = (1024 - 53 + _EXACT_SHIFT + 53) // _LIMB_BITS + 2
+
+
+class ExactSums:
+    """Per-metric sums and the sample count of this rank's eval values, padding masked out, exact; one
+    ``all_reduce`` makes them every rank's (O(metrics) numbers, not O(samples)). ``means()`` rounds once:
+    it equals ``math.fsum(values) / n`` over the distinct samples of a single process, bit for bit."""
+
+    CHUNK_ROWS = 1 << 16  # batches are summed in chunks of this many rows: fewer, larger tensor ops
+
+    def __init__(self, num_metrics: int, device: torch.device):
+        self.limbs = torch.zeros(num_metrics, _LIMBS, dtype=torch.int64, device=device)
+        self.special = torch.zeros(num_metrics, 3, dtype=torch.int64, device=device)  # nan, +inf, -inf
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_rows = 0
+
+    def add(self, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """``values`` [B, K] float64; ``keep`` [B] bool (False: a padded duplicate)."""
+        self._pending.append((values, keep.to(values.device)))
+        self._pending_rows += values.shape[0]
+        if self._pending_rows >= self.CHUNK_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            values, keep = (torch.cat(t) for t in zip(*self._pending))
+            self._pending, self._pending_rows = [], 0
+            self._add(values, keep)
+
+    def _add(self, values: torch.Tensor, keep: torch.Tensor) -> None:
+        k = keep.unsqueeze(1).to(torch.int64)
+        finite = torch.isfinite(values)
+        self.special += torch.stack([torch.isnan(values), values == math.inf, values == -math.inf], dim=2) \
+            .to(torch.int64).mul(k.unsqueeze(2)).sum(dim=0)
+        mantissa, exponent = torch.frexp(torch.where(finite, values, torch.zeros_like(values)))
+        m = torch.ldexp(mantissa, torch.tensor(53.0, dtype=values.dtype, device=values.device)).to(torch.int64)
+        offset = exponent.to(torch.int64) - 53 + _EXACT_SHIFT
+        limb, shift = offset // _LIMB_BITS, offset % _LIMB_BITS
+        sign, magnitude = torch.sign(m) * k, m.abs()
+        for j in range(4):  # 4 x 16 bits >= 53
+            piece = torch.bitwise_left_shift(torch.bitwise_right_shift(magnitude, _LIMB_BITS * j) & 0xFFFF, shift)
+            self.limbs.scatter_add_(1, (limb + j).T, (piece * sign).T)
+        self.count += keep.sum()
+
+    def all_reduce(self) -> None:
+        self._flush()
+        t = torch.cat([self.limbs.flatten(), self.special.flatten(), self.count])
+        dist.all_reduce(t)  # sync point: all ranks (sums and counts only, padding already masked)
+        n_limbs, n_special = self.limbs.numel(), self.special.numel()
+        self.limbs = t[:n_limbs].view_as(self.limbs)
+        self.special = t[n_limbs:n_limbs + n_special].view_as(self.special)
+        self.count = t[-1:]
+
+    def num_samples(self) -> int:
+        return int(self.count.item())
+
+    def means(self) -> list[float]:
+        limbs, special, n = self.limbs.cpu().tolist(), self.special.cpu().tolist(), self.num_samples()
+        out = []
+        for row, (nan, pos, neg) in zip(limbs, special):
+            if nan or (pos and neg):
+                total = math.nan
+            elif pos or neg:
+                total = math.inf if pos else -math.inf
+            else:
+                exact = sum(v << (_LIMB_BITS * i) for i, v in enumerate(row))
+                try:
+                    total = exact / (1 << _EXACT_SHIFT)  # int / int: correctly rounded
+                except OverflowError:
+                    total = math.copysign(math.inf, exact)
+            out.append(total / n if n else math.nan)
+        return out
 
 
 def lr_lambda(warmup_steps: int, total_steps: int):
@@ -233,6 +320,7 @@ class Parts:
     loader_gen: torch.Generator
     eval_loader: DataLoader
     eval_indices: torch.Tensor  # this rank's eval indices, in the order the eval loader yields them
+    eval_keep: torch.Tensor  # bool, the same order: False where the sampler padded (a repeated sample)
     eval_batch_sizes: list[int]
     batches_per_epoch: int
     steps_per_epoch: int
@@ -278,6 +366,9 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
         # its own generator too: iterating a DataLoader draws a seed, and evaluation
         # must not move the training RNG (or a resumed run would diverge)
         eval_loader=loader(eval_set, eval_sampler, torch.Generator().manual_seed(cfg.run.seed)),
+        # DistributedSampler deals position p of the padded order to rank p % world; positions past the
+        # data set's end are the padding (repeats of its first samples)
+        eval_keep=torch.arange(n_eval) * world + rank < len(eval_set),
         eval_indices=eval_indices, eval_batch_sizes=[min(bs, n_eval - i) for i in range(0, n_eval, bs)],
         batches_per_epoch=batches_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)),
@@ -296,7 +387,10 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, steps_per_epoch: int, t
 
 def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
     """After loading a checkpoint: the config's lr, weight decay and momentum win over the saved ones
-    (loading restores them; a resumed run may change them). Unchanged, this sets what was loaded."""
+    (loading restores them; a resumed run may change them). Unchanged, this sets what was loaded.
+
+    Through public attributes only: the optimizer's groups hold the LR in use (what the loop logs);
+    the scheduler's record of its last LR (``get_last_lr``) follows at its next ``step``."""
     for group in optimizer.param_groups:
         group["initial_lr"] = cfg.train.lr
         group["weight_decay"] = cfg.train.weight_decay
@@ -306,7 +400,6 @@ def apply_hyperparameters(cfg: Config, optimizer, scheduler) -> None:
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
 
 
 # ---------------------------------------------------------------- timing for the summary
@@ -381,6 +474,7 @@ class Trainer:
         self.resumed_checkpoint_unix = 0.0
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
+        self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
         self.epoch_loss = torch.zeros((), device=self.device)  # this epoch (this attempt), this rank
         self.epoch_count = torch.zeros((), device=self.device)
         self._loss_checked = False  # the task's loss output is checked against the contract once
@@ -391,7 +485,10 @@ class Trainer:
 
     # ------------------------------------------------------------ resume
     def restore(self) -> None:
-        loaded = self.ckpt.restore(self.rank)
+        try:
+            loaded = self.ckpt.restore(self.rank)
+        except CheckpointError as exc:  # run.resume_from with no checkpoint that loads, or one torch refuses
+            raise PluginError(str(exc)) from None  # bad input: one line, exit 2, not retried
         if loaded is None:
             return
         conflicts = resume_conflicts(loaded.config, self.cfg)
@@ -441,7 +538,8 @@ class Trainer:
         finally:
             TRAINING.clear()
         self.preemption.close()  # the last step's flag is still on its way
-        self.last_eval = self.evaluate()
+        if self._evaluated_at != self.pos.global_step:  # an epoch's end just evaluated these parameters
+            self.last_eval = self.evaluate()
         summary = self._final_metrics()
         self._final_checkpoint(summary)
         self._account(self.ckpt.settle())
@@ -513,6 +611,8 @@ class Trainer:
             self._end_epoch(interval)
             if self.leaving and self.pos.epoch < cfg.train.epochs and not self._done():
                 self._leave()
+        elif self._done():  # train.max_steps ends training inside the epoch
+            self._end_partial_epoch(interval)
 
     def _leave(self) -> None:
         """Every rank: checkpoint here (unless this step has one), wait until it is committed, raise."""
@@ -581,15 +681,17 @@ class Trainer:
         self.stats.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
 
     def _log_progress(self, interval: _Interval) -> None:
-        loss = global_mean(interval.loss_sum, interval.count)  # collective: every rank calls it at the same step
+        # collective: every rank calls it at the same step
+        total, n = global_sum_and_count(interval.loss_sum, interval.count)
+        loss = total / max(n, 1.0)
         self.epoch_loss += interval.loss_sum
         self.epoch_count += interval.count
         dt = time.perf_counter() - interval.t0
-        samples = int(interval.count.item()) * self.world_size  # approximately: ranks see equal counts
+        samples = int(n)  # all ranks' samples (the task's num_samples may differ by rank)
         sps = samples / dt if dt > 0 else 0.0
         steps = self.pos.global_step - interval.step0
         eta = (self.parts.total_steps - self.pos.global_step) * dt / max(steps, 1)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR in use (= the scheduler's, set by its step)
         self.metrics.on_progress(epoch=self.pos.epoch, global_step=self.pos.global_step, lr=lr, train_loss=loss,
                                  samples=samples, samples_per_second=sps)
         if self.device.type == "cuda":
@@ -598,12 +700,20 @@ class Trainer:
         self.print0(f"epoch {self.pos.epoch} step {self.pos.global_step}/{self.parts.total_steps} "
                     f"loss {loss:.4f} lr {lr:.4g} {sps:,.0f} samples/s eta {_fmt_eta(eta)}")
 
+    def _end_partial_epoch(self, interval: _Interval) -> None:
+        """train.max_steps stopped inside an epoch (every rank at the same step): the train loss of the
+        steps this epoch trained, so the summary reports what was trained (the final eval follows in fit)."""
+        if interval.batches:
+            self._log_progress(interval)
+        self.last_train_loss = global_mean(self.epoch_loss, self.epoch_count)
+
     def _end_epoch(self, interval: _Interval) -> None:
         # every rank has the same number of batches (the sampler pads), so this branch is collective-safe
         if interval.batches:
             self._log_progress(interval)
         self.last_train_loss = global_mean(self.epoch_loss, self.epoch_count)
         self.last_eval = self.evaluate()
+        self._evaluated_at = self.pos.global_step
         shown = " ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items() if k.startswith("eval_"))
         self.print0(f"epoch {self.pos.epoch} done: train loss {self.last_train_loss:.4f} {shown}")
         self.pos.epoch += 1
@@ -618,20 +728,31 @@ class Trainer:
     def evaluate(self) -> dict:
         """Practice 5: every metric of the task, exact over the distinct eval samples of all ranks."""
         self.model.eval()
-        names, columns = None, []
-        for i, batch in enumerate(self.parts.eval_loader):
+        parts, names, sums, columns, start = self.parts, None, None, [], 0
+        summarize_rows = getattr(self.task, "summarize_rows", None)
+        for i, batch in enumerate(parts.eval_loader):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 values = self.task.evaluate(self.model, to_device(batch, self.device))
             names = names or self._check_eval_names(values)
-            columns.append(self._eval_columns(values, names, self.parts.eval_batch_sizes[i]))
-        idx, rows = gather_eval_rows(self.parts.eval_indices.to(self.device), torch.cat(columns), self.world_size)
+            size = parts.eval_batch_sizes[i]
+            batch_columns = self._eval_columns(values, names, size)
+            sums = sums or ExactSums(len(names), batch_columns.device)
+            sums.add(batch_columns, parts.eval_keep[start:start + size])
+            start += size
+            if callable(summarize_rows):  # this task needs every value, not only the means
+                columns.append(batch_columns)
+        sums.all_reduce()
         self.model.train()
-        means = {name: rows[:, j].mean().item() for j, name in enumerate(names)}
+        means = dict(zip(names, sums.means()))
+        if callable(summarize_rows):
+            idx, rows = gather_eval_rows(parts.eval_indices.to(self.device), torch.cat(columns), self.world_size)
+            rows = rows[idx.argsort()]  # in the data set's order
+            means.update({k: float(v) for k, v in summarize_rows({n: rows[:, j] for j, n in enumerate(names)}).items()})
         summarize = getattr(self.task, "summarize", None)
         if callable(summarize):
             means.update({k: float(v) for k, v in summarize(dict(means)).items()})
         self.metrics.on_eval(dict(means))
-        return {**{f"eval_{k}": v for k, v in means.items()}, "num_samples": int(idx.numel())}
+        return {**{f"eval_{k}": v for k, v in means.items()}, "num_samples": sums.num_samples()}
 
     def _check_eval_names(self, values) -> list[str]:
         if not isinstance(values, dict) or not values:

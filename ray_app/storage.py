@@ -82,14 +82,57 @@ class LocalStorage:
         return str(self._p(rel)), None
 
 
+def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
+    """What an error of boto3 means for the user and what would fix it, in one line naming the store
+    (never credentials); None if it is no S3 error."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    where = settings.endpoint or "AWS"
+    if isinstance(exc, (EndpointConnectionError, ConnectionError)):
+        return f"cannot reach the S3 endpoint {where}; check AWS_ENDPOINT_URL_S3 and that the store is running"
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        return ("no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE "
+                "or a role for this machine")
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("NoSuchBucket",):
+            return f"bucket {settings.bucket} does not exist at {where}; create it or fix the URI"
+        if code in ("403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden",
+                    "ExpiredToken", "InvalidToken") or status == 403:
+            return f"access denied at {where} ({code or 403}); check the AWS credentials and the bucket policy"
+        return f"{code or type(exc).__name__} at {where}; check the endpoint, the bucket and the credentials"
+    if isinstance(exc, BotoCoreError):
+        return f"{type(exc).__name__} at {where}; check AWS_ENDPOINT_URL_S3, the network and the credentials"
+    return None
+
+
 class S3Storage:
     """Runs under ``s3://bucket/prefix``, reached with boto3 (and pyarrow for Ray)."""
 
     def __init__(self, uri: str, retry_s: float = 0.0):
         self.settings = S3Settings.resolve(uri)
         self._client = None
-        # 0: fail at once (the CLI's checks); workers retry transient errors for failure.storage_retry_s
-        self._retry = Retrying(retry_s, self.settings.where) if retry_s > 0 else lambda what, fn, *a, **kw: fn(*a, **kw)
+        # 0: fail at once, an S3 error as a StorageError of one line (the CLI's commands: exit 2);
+        # workers retry transient errors for failure.storage_retry_s
+        self._retry = Retrying(retry_s, self.settings.where) if retry_s > 0 else self._at_once
+
+    def _at_once(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            explained = explain_s3_error(exc, self.settings)
+            if explained is None:
+                raise
+            raise StorageError(f"storage s3://{_join(self.settings.bucket, self.settings.prefix)}: {explained} "
+                               f"({what})") from None
 
     @property
     def client(self):

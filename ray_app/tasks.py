@@ -6,12 +6,19 @@ does everything distributed itself:
 - ``loss(model, batch) -> (mean_loss, num_samples)``: the mean loss of this
   batch and the number of samples it averages over (the kit's logged loss is
   the sample-weighted global mean over all ranks).
-- ``evaluate(model, batch) -> {name: per-sample tensor of shape [B]}``: the
-  kit gathers the values of every rank by the sampler's indices, drops the
-  padded duplicates and reports each mean over the distinct eval samples as
-  ``eval_<name>``.
+- ``evaluate(model, batch) -> {name: per-sample tensor of shape [B]}``: each
+  rank sums the values with the sampler's padded duplicates masked out, the
+  kit all-reduces the sums and the count (exactly: each mean equals a
+  single-process evaluation's) and reports each mean over the distinct eval
+  samples as ``eval_<name>``. Nothing of size [samples] leaves a rank.
 - optional ``summarize(means) -> {name: value}``: metrics derived from those
   means (perplexity from the mean loss), reported beside them.
+- optional ``summarize_rows(values) -> {name: value}``: metrics that need
+  every value, not only the mean (a median, an AUC). ``values`` maps each
+  name to a tensor of shape [N] over the N distinct eval samples, in the data
+  set's order; only for such a task are the values gathered to every rank
+  (memory and traffic O(samples x metrics)). Its results are reported beside
+  the means (and passed on to ``summarize``).
 
 Batches are what the DataLoader yields, already on the device: a tuple or list
 ``(input, target)`` or a dict with ``input_key`` / ``target_key`` entries for

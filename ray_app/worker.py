@@ -140,13 +140,15 @@ def preemption_agreement(cfg: Config):
 
 def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
     """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
-    from ray_app.checkpoint import load_verified, resolve_checkpoint_uri
+    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
     from ray_app.loop import Trainer, build_parts
     from ray_app.metrics import NullMetrics
 
     parts = build_parts(cfg, runtime)
-    storage, rel = resolve_checkpoint_uri(checkpoint)
-    loaded = load_verified(storage, rel, rank=None, model_only=True)
+    try:  # the driver read only the config: a damaged file is found here, and is bad input (exit 2)
+        loaded = load_verified(*resolve_checkpoint_uri(checkpoint), rank=None, model_only=True)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
     parts.module.load_state_dict(loaded.model)
     trainer = Trainer(cfg, runtime, parts, checkpointer=None, metrics=NullMetrics(), stats=stats)
     result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))

@@ -1,6 +1,6 @@
 """Keeps a hand-written fake honest: what it offers, the real object offers the same way.
 
-A fake stands in for a real object (``ray``, ``ray.train``, Ray Train's context, ``launch.RayRuntime``,
+A fake stands in for a real object (``ray``, ``ray.train``, Ray Train's context, ``worker.RayRuntime``,
 a metrics sink). ``assert_stands_in_for(fake, real)`` fails when the real object loses or renames
 something the fake offers, or takes its parameters otherwise (names, kinds, defaults, order): the fake
 then no longer tests what production calls.

@@ -424,3 +424,121 @@ def test_newest_committed_config_reads_only_the_config(storage):
     uncommitted = commit(storage, 30)
     (storage.root / uncommitted / MANIFEST).unlink()
     assert newest_committed_config(storage, RUN)[0] == storage.uri(old)
+
+
+# ---------------------------------------------------------------- each byte read once; storage errors propagate
+
+class CountingStorage(LocalStorage):
+    """A local folder that counts the bytes read of each file (rel -> [bytes of each read])."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.reads: dict[str, list[int]] = {}
+
+    def read_bytes(self, rel: str) -> bytes:
+        data = super().read_bytes(rel)
+        self.reads.setdefault(rel, []).append(len(data))
+        return data
+
+
+def _sizes(storage, rel: str) -> dict[str, int]:
+    return {f"{rel}/{name}": size for name, size in storage.list_files(rel).items()}
+
+
+@pytest.mark.timeout(30)
+def test_a_restore_reads_every_byte_of_the_checkpoint_once(storage):
+    old = commit(storage, 10, seed=1)
+    new = commit(storage, 20, seed=2)
+    counting = CountingStorage(str(storage.root))
+    loaded = Checkpointer(counting, RUN, report=None).restore(rank=1)
+    assert loaded.state["global_step"] == 20 and loaded.rng is not None
+    assert counting.reads == {rel: [size] for rel, size in _sizes(storage, new).items()}  # once each, nothing of old
+    assert not any(rel.startswith(old) for rel in counting.reads)
+    # a damaged newer one is read (at most) once too, then skipped for the older one
+    flip_byte(storage.root / new / "model.pt")
+    counting = CountingStorage(str(storage.root))
+    warnings = []
+    assert Checkpointer(counting, RUN, report=None, warn=warnings.append).restore(rank=0).state["global_step"] == 10
+    assert all(len(sizes) == 1 for sizes in counting.reads.values()), counting.reads
+    assert len(warnings) == 1 and "sha256 mismatch in model.pt" in warnings[0]
+
+
+@pytest.mark.timeout(30)
+def test_evaluation_and_export_read_the_model_state_and_config_once(storage):
+    rel = commit(storage, 10)
+    counting = CountingStorage(str(storage.root))
+    load_verified(counting, rel, rank=None, model_only=True)
+    assert counting.reads == {f"{rel}/{name}": [size] for name, size in storage.list_files(rel).items()
+                              if name in (MANIFEST, "model.pt", "state.json", "config.json")}
+
+
+@pytest.mark.timeout(30)
+def test_committed_config_reads_only_the_manifest_and_the_config(storage, monkeypatch):
+    from ray_app import checkpoint
+    from ray_app import storage as storage_mod
+
+    rel = commit(storage, 10)
+    made = []
+
+    def counting_open(uri, retry_s=0.0):
+        made.append(CountingStorage(uri))
+        return made[-1]
+
+    monkeypatch.setattr(storage_mod, "open_storage", counting_open)
+    for uri in (storage.uri(rel), storage.uri(RUN)):
+        made.clear()
+        assert checkpoint.committed_config(uri) == (storage.uri(rel), {"run": {"name": RUN}})
+        read = {rel for s in made for rel in s.reads}
+        assert {r.rsplit("/", 1)[-1] for r in read} == {MANIFEST, "config.json"}, read
+
+
+class Outage(LocalStorage):
+    """A local folder whose listing or reading of the paths that contain ``broken`` fails as S3 does when its
+    endpoint does not answer."""
+
+    def __init__(self, root: str, broken: str, op: str):
+        super().__init__(root)
+        self.broken, self.op = broken, op
+
+    def _fail(self, rel: str):
+        from botocore.exceptions import EndpointConnectionError
+
+        if self.broken in rel:
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+
+    def list_files(self, rel: str):
+        if self.op == "list":
+            self._fail(rel)
+        return super().list_files(rel)
+
+    def read_bytes(self, rel: str):
+        if self.op == "read" and rel.endswith(MANIFEST):
+            self._fail(rel)
+        return super().read_bytes(rel)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("op", ["list", "read"])
+def test_a_storage_error_is_raised_not_taken_for_a_bad_checkpoint(storage, op):
+    from botocore.exceptions import EndpointConnectionError
+
+    commit(storage, 10, seed=1)
+    new = commit(storage, 20, seed=2)
+    down = Outage(str(storage.root), new.rsplit("/", 1)[-1], op)
+    with pytest.raises(EndpointConnectionError):
+        verify(down, new)
+    with pytest.raises(EndpointConnectionError):  # not a resume from the older checkpoint
+        Checkpointer(down, RUN, report=None, warn=lambda m: None).restore(rank=0)
+    with pytest.raises(EndpointConnectionError):
+        newest_committed_config(down, RUN)
+    with pytest.raises(EndpointConnectionError):
+        newest_verified(down, RUN, warn=lambda m: None)
+
+
+@pytest.mark.timeout(30)
+def test_a_resume_from_checkpoint_that_does_not_load_is_an_error_not_a_fresh_start(storage):
+    rel = commit(storage, 5)
+    flip_byte(storage.root / rel / "model.pt")
+    warm = Checkpointer(storage, "run-b", report=None, resume_from=storage.uri(rel), warn=lambda m: None)
+    with pytest.raises(CheckpointError, match="run.resume_from .* no checkpoint passes verification"):
+        warm.restore(rank=0)

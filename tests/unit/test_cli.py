@@ -271,3 +271,107 @@ def test_checkpoints_list_shows_every_eval_metric_of_the_task(run_cli, tmp_path)
     assert "other" not in out and "verified" in out
     rc, out, _ = run_cli(["checkpoints", "list", str(tmp_path / "runs" / "r1"), "--json"], timeout=60)
     assert json.loads(out)[0]["metrics"] == {"train_loss": 0.5, "eval_mse": 0.123456, "eval_mae": 0.25}
+
+
+class _DenyingS3:
+    """An S3 endpoint on 127.0.0.1 that refuses every request as S3 refuses an unknown access key."""
+
+    BODY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code><Message>The AWS '
+            b'Access Key Id you provided does not exist in our records.</Message></Error>')
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        body = self.BODY
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _deny(self):
+                self.send_response(403)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _deny
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+S3_COMMANDS = {
+    "list": ["checkpoints", "list", "s3://bucket-x/runs/r1"],
+    "verify": ["checkpoints", "verify", "s3://bucket-x/runs/r1"],
+    "export": ["checkpoints", "export", "s3://bucket-x/runs/r1", "--out", "{tmp}/m.pt"],
+    "eval": ["eval", "--checkpoint", "s3://bucket-x/runs/r1"],
+}
+
+
+def _s3_env(endpoint: str) -> dict:
+    env = {k: None for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+                             "AWS_SHARED_CREDENTIALS_FILE")}
+    return dict(env, AWS_ENDPOINT_URL_S3=endpoint, AWS_ACCESS_KEY_ID="AKIAEXAMPLE", AWS_SECRET_ACCESS_KEY="not-a-secret",
+                AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+
+
+def _main_in_process(args: list[str], env: dict, monkeypatch, capsys) -> tuple[int, str]:
+    """``ray-app ARGS`` in this process (torch is imported already: seconds less than a subprocess)."""
+    import signal
+
+    from ray_app import cli
+
+    for key, value in env.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main() would leave its SIGTERM handler here
+    capsys.readouterr()
+    rc = cli.main(args)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_s3_endpoint_is_one_line_and_exit_2_as_a_user_runs_it(run_cli, tmp_path):
+    from tests.support.ports import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    rc, _, err = run_cli(S3_COMMANDS["eval"], env=_s3_env(endpoint), timeout=100)
+    line = one_error_line(err)
+    assert rc == 2, err
+    assert "s3://bucket-x" in line and endpoint in line and "AWS_ENDPOINT_URL_S3" in line, line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", list(S3_COMMANDS))
+def test_an_unreachable_s3_endpoint_is_one_line_and_exit_2(tmp_path, command, monkeypatch, capsys):
+    from tests.support.ports import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = [a.format(tmp=tmp_path) for a in S3_COMMANDS[command]]
+    rc, err = _main_in_process(args, _s3_env(endpoint), monkeypatch, capsys)
+    line = one_error_line(err)
+    assert rc == 2, err
+    assert "s3://bucket-x" in line and endpoint in line and "AWS_ENDPOINT_URL_S3" in line, line
+    assert "not-a-secret" not in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", list(S3_COMMANDS))
+def test_refused_credentials_are_one_line_and_exit_2(tmp_path, command, monkeypatch, capsys):
+    args = [a.format(tmp=tmp_path) for a in S3_COMMANDS[command]]
+    with _DenyingS3() as endpoint:
+        rc, err = _main_in_process(args, _s3_env(endpoint), monkeypatch, capsys)
+    line = one_error_line(err)
+    assert rc == 2, err
+    assert "s3://bucket-x" in line and "access denied" in line and "credentials" in line, line
+    assert "not-a-secret" not in err

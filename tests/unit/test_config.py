@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import re
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 import yaml
@@ -457,3 +458,32 @@ def test_resume_conflicts_read_old_checkpoints_configs():
     assert resume_conflicts(old, now) == []
     old["data"]["num_samples"] = 200
     assert [c.split(" ")[0] for c in resume_conflicts(old, now)] == ["data.args"]
+
+
+@dataclasses.dataclass
+class _SectionWithModernAnnotations:
+    """A section as a later field may be written: a parametrized dict, an optional int (string annotations:
+    this module has ``from __future__ import annotations`` as ray_app.config has)."""
+
+    name: str = "x"
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    limit: int | None = None
+    ratio: Optional[float] = None  # noqa: UP045 - the older spelling resolves the same way
+
+
+@pytest.mark.timeout(30)
+def test_config_keys_are_typed_by_their_resolved_annotations_not_their_text():
+    from ray_app import config
+
+    cfg = Config()
+    cfg.task = _SectionWithModernAnnotations()
+    config._apply(cfg, {"task": {"args": {"a": 1}, "limit": 3, "ratio": 1}}, "test")
+    assert (cfg.task.args, cfg.task.limit, cfg.task.ratio) == ({"a": 1}, 3, 1.0)
+    config._apply(cfg, {"task": {"limit": None}}, "test")
+    assert cfg.task.limit is None
+    with pytest.raises(ConfigError, match="task.limit: expected an integer"):
+        config._apply(cfg, {"task": {"limit": "many"}}, "test")
+    with pytest.raises(ConfigError, match="task.args: expected a mapping"):
+        config._apply(cfg, {"task": {"args": [1]}}, "test")
+    assert config.field_types(_SectionWithModernAnnotations) == {
+        "name": (str, False), "args": (dict, False), "limit": (int, True), "ratio": (float, True)}

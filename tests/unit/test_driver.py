@@ -1,4 +1,4 @@
-"""The launch path without a Ray cluster: the trainer the kit builds (callbacks it keeps and leaves out, its
+"""The driver and worker sides without a Ray cluster: the trainer the kit builds (callbacks it keeps and leaves out, its
 failure policy), the checks before Ray starts, how a worker turns an error into one the driver shows once,
 and how the driver shows it."""
 
@@ -242,6 +242,26 @@ def test_resume_from_needs_the_same_model(tmp_path, clean_path):
     preflight_run(ok)
     with pytest.raises(UserError, match=r"config key run.resume_from: .* holds another model \(model.name \('mlp' -> 'digits_cnn'\)"):
         preflight_run(load_config(None, [f"run.storage={runs}", "run.name=new2", f"run.resume_from={source}"]))
+
+
+@pytest.mark.timeout(60)
+def test_the_drivers_resume_from_check_reads_only_the_manifest_and_the_config(tmp_path, clean_path, monkeypatch):
+    from ray_app import storage as storage_mod
+    from tests.unit.test_checkpoint import CountingStorage
+
+    runs = tmp_path / "runs"
+    source = _saved_run(runs, "src", ["model.name=mlp"])
+    made = []
+
+    def counting_open(uri, retry_s=0.0):
+        made.append(CountingStorage(uri) if not uri.startswith("s3://") else storage_mod.S3Storage(uri, retry_s))
+        return made[-1]
+
+    monkeypatch.setattr(storage_mod, "open_storage", counting_open)
+    preflight_run(load_config(None, [f"run.storage={runs}", "run.name=new", "model.name=mlp",
+                                     f"run.resume_from={source}"]))
+    read = sorted(rel.rsplit("/", 1)[-1] for s in made for rel in s.reads)
+    assert read == ["config.json", "manifest.json"], read
 
 
 # ---------------------------------------------------------------- RayRuntime.report

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified, verify
 from ray_app.config import load_config
 from ray_app.loop import (
+    ExactSums,
     MetricsSink,
     ResumableDistributedSampler,
     Runtime,
@@ -78,6 +79,15 @@ def eval_table(n: int = EVAL_N, classes: int = 10):
     return logits, targets
 
 
+def hard_values(n: int = EVAL_N) -> torch.Tensor:
+    """Values whose float64 sum depends on the order it is taken in: both signs, magnitudes 1e-12..1e12,
+    a subnormal."""
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-12, 13, (n,), generator=g)
+    v[7] = 5e-324
+    return v
+
+
 UNEQUAL = {0: 3, 1: 10, 2: 1}  # samples per rank for the global-mean check
 
 
@@ -106,6 +116,14 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
     result["eval"] = {"indices": idx.tolist(), "accuracy": (p == t).double().mean().item(),
                       "loss": loss.mean().item(), "num_samples": int(idx.numel()),
                       "padded_count": len(local_idx) * world}
+    # practice 5 without gathering: masked, exact sums of every rank's values, one all_reduce
+    values = torch.stack([F.cross_entropy(logits, targets, reduction="none").double(), hard_values()], dim=1)
+    keep = torch.arange(len(local_idx)) * world + rank < EVAL_N  # = build_parts' eval_keep
+    sums = ExactSums(2, torch.device("cpu"))
+    for start in range(0, len(local_idx), 16):  # batch by batch, as the loop adds them
+        sums.add(values[local_idx[start:start + 16]], keep[start:start + 16])
+    sums.all_reduce()
+    result["reduced"] = {"means": sums.means(), "num_samples": sums.num_samples()}
     # practice 4: sample-weighted global mean of unequal per-rank sums
     mine = rank_losses(rank)
     result["global_mean"] = global_mean(mine.sum(), torch.tensor(float(len(mine))))
@@ -294,6 +312,20 @@ def test_eval_accuracy_and_loss_equal_single_process_exactly(collectives):
         assert ev["accuracy"] == acc
         assert ev["loss"] == loss
         assert ev["padded_count"] > EVAL_N  # the sampler did pad: duplicates were really removed
+
+
+@pytest.mark.timeout(120)
+def test_reduced_eval_means_equal_a_single_process_fsum_exactly(collectives):
+    """Masked sums and counts, all-reduced, at 2 and 3 ranks: padding excluded, and the mean of values whose
+    naive float sum depends on their order equals math.fsum(values) / n of one process, bit for bit."""
+    world, ranks = collectives
+    logits, targets = eval_table()
+    losses = F.cross_entropy(logits, targets, reduction="none").double().tolist()
+    hard = hard_values().tolist()
+    assert math.fsum(hard) != sum(hard) or math.fsum(hard[::-1]) != sum(hard[::-1])  # the order matters here
+    for r in ranks:
+        assert r["reduced"]["num_samples"] == EVAL_N
+        assert r["reduced"]["means"] == [math.fsum(losses) / EVAL_N, math.fsum(hard) / EVAL_N]
 
 
 def test_global_mean_is_sample_weighted(collectives):
@@ -582,8 +614,9 @@ def test_nested_batches_and_the_datas_collate_fn_reach_the_task(tmp_path, port_p
     _spawn(_nested_worker, 2, port_picker(), str(tmp_path))
     ranks = _load_ranks(tmp_path, 2)
     assert all(r["collate"] for r in ranks)
-    # 20 train samples per rank in batches of 4 (5 steps), eval 7 per rank (13 padded to 14) in 2 batches, twice
-    assert [r["batches"] for r in ranks] == [5 + 2 + 2] * 2
+    # 20 train samples per rank in batches of 4 (5 steps), eval 7 per rank (13 padded to 14) in 2 batches,
+    # once: the epoch's end is also the run's
+    assert [r["batches"] for r in ranks] == [5 + 2] * 2
     assert ranks[0]["summary"]["num_samples"] == 13 and 0 <= ranks[0]["summary"]["eval_hits"] <= 1
 
 
@@ -599,3 +632,38 @@ def test_to_device_moves_every_tensor_of_any_structure():
     assert moved["rest"][0].a.device.type == "meta" and moved["rest"][0].b == "label"
     assert moved["rest"][1][0].device.type == "meta" and moved["rest"][1][1] == 7
     assert first_dim(batch) == 3 and first_dim([("no tensors",)]) == 0
+
+
+class _RecordingLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR that records which private attributes are set on it (from outside or by itself) once built."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.__dict__["private_writes"] = []
+
+    def __setattr__(self, name, value):
+        if "private_writes" in self.__dict__ and name.startswith("_"):
+            self.private_writes.append(name)
+        super().__setattr__(name, value)
+
+
+@pytest.mark.timeout(30)
+def test_resumed_hyperparameters_are_set_through_public_attributes_only():
+    from ray_app.loop import apply_hyperparameters
+
+    cfg = load_config(None, ["train.lr=0.2", "train.optimizer=sgd", "train.momentum=0.5", "train.weight_decay=0.01"])
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = _RecordingLambdaLR(optimizer, lr_lambda(2, 10))
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    scheduler.private_writes.clear()  # the scheduler's own steps write its private state
+    apply_hyperparameters(cfg, optimizer, scheduler)
+    assert scheduler.private_writes == []
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(0.2 * lr_lambda(2, 10)(4))
+    assert (group["momentum"], group["weight_decay"], scheduler.base_lrs) == (0.5, 0.01, [0.2])
+    optimizer.step()
+    scheduler.step()  # the schedule goes on from the config's LR
+    assert scheduler.get_last_lr() == [group["lr"]] == [pytest.approx(0.2 * lr_lambda(2, 10)(5))]
