@@ -6,7 +6,7 @@
 It reads the same config (file + ``--set``) as ``ray-app train`` and takes the
 kit's pure pieces, so the work is identical: model and data
 (``ray_app.plugins.build_model`` / ``build_data``), seeding, the train sampler
-(``ray_app.loop.ResumableDistributedSampler``, DistributedSampler's order) and
+(``ray_app.ddp.ResumableDistributedSampler``, DistributedSampler's order) and
 the optimizer with its warmup + cosine LR schedule
 (``ray_app.loop.build_optimizer``), per-worker batch size, log cadence
 (global-mean loss with one all_reduce every ``train.log_every_steps``), exact
@@ -44,7 +44,8 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ray_app.config import load_config  # noqa: E402  (the kit's pure pieces: no Ray, no Trainer)
-from ray_app.loop import ResumableDistributedSampler, build_optimizer, seed_everything  # noqa: E402
+from ray_app.ddp import ResumableDistributedSampler, seed_everything  # noqa: E402
+from ray_app.loop import build_optimizer  # noqa: E402
 from ray_app.plugins import build_data, build_model  # noqa: E402
 
 T_IMPORTS = time.time()

@@ -37,7 +37,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from ray_app.errors import StorageError
+from ray_app.errors import CheckpointDamaged, CheckpointError, StorageError
 from ray_app.storage import split_uri
 
 log = logging.getLogger("ray_app.checkpoint")
@@ -48,19 +48,6 @@ SCRIPT_FORMAT = "ray_app.script/1"  # what a `ray-app run` script passes to ray_
 # what a manifest of each format must list (a manifest of another format is not a ray_app checkpoint)
 REQUIRED_FILES = {FORMAT: ("model.pt", "optimizer.pt", "state.json", "config.json"), SCRIPT_FORMAT: ("state.pt",)}
 PREFIX = "ckpt-s"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be trusted (missing, incomplete, tampered)."""
-
-
-class CheckpointDamaged(CheckpointError):
-    """A checkpoint's files do not match its manifest (missing, incomplete, damaged, tampered): a restore
-    skips it for the next older one. Storage errors are never this."""
-
-    def __init__(self, uri: str, reason: str):
-        super().__init__(f"checkpoint {uri} failed verification: {reason}")
-        self.uri, self.reason = uri, reason
 
 
 def checkpoint_dir_name(global_step: int) -> str:

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 from ray_app import __version__
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 128 + signal.SIGTERM
+from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_OK, RunStopped, StorageError, TrainingFailed, exit_code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,7 +180,7 @@ def cmd_checkpoints(args) -> int:
         run, names = last, ck.list_checkpoints(storage, last)
         rels = [f"{last}/{n}" for n in names]
         if not names:
-            raise ck.StorageError(f"{args.uri}: no checkpoints found; pass a run URI such as runs/NAME or "
+            raise StorageError(f"{args.uri}: no checkpoints found; pass a run URI such as runs/NAME or "
                                   "s3://bucket/prefix/NAME")
     rows = [_describe(storage, rel, name) for rel, name in zip(rels, names)]
     if args.json:
@@ -249,33 +248,23 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "c
             "run": cmd_run, "config": cmd_config}
 
 
-def _checkpoint_error() -> tuple:
-    # ray_app.checkpoint imports torch (seconds): a config error must not wait for that
-    mod = sys.modules.get("ray_app.checkpoint")
-    return (mod.CheckpointError,) if mod else ()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
-
-    from ray_app.config import ConfigError
-    from ray_app.errors import RunStopped, StorageError, TrainingFailed, UserError
 
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, StorageError, UserError, *_checkpoint_error()) as exc:
-        print(f"ray-app: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except TrainingFailed as exc:
-        print(f"ray-app: training failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except RunStopped as exc:
-        print(f"ray-app: {exc}", file=sys.stderr)
-        return EXIT_STOPPED
-    except KeyboardInterrupt:
-        print("ray-app: interrupted", file=sys.stderr)
-        return 130
+    except (*BAD_INPUT, TrainingFailed, RunStopped, KeyboardInterrupt) as exc:
+        print(_one_line(exc), file=sys.stderr)
+        return exit_code(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, BAD_INPUT):
+        return f"ray-app: error: {exc}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "ray-app: interrupted"
+    return f"ray-app: training failed: {exc}" if isinstance(exc, TrainingFailed) else f"ray-app: {exc}"
 
 
 def run() -> None:

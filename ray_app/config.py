@@ -21,9 +21,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """Bad input a user can fix: the message names the key and the fix."""
+from ray_app.errors import ConfigError
 
 
 def _f(default, help: str, choices=None, min=None, max=None):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ray_app.config import ConfigError
+from ray_app.errors import ConfigError
 from ray_app.plugins import check_builtin_data_folder
 
 DIGITS_SPLIT_SEED = 1234  # fixed, independent of run.seed: the eval set never changes

@@ -16,8 +16,8 @@ import sys
 import threading
 import time
 
-from ray_app.config import Config, ConfigError, config_from_dict
-from ray_app.errors import RunStopped, TrainingFailed, UserError
+from ray_app.config import Config, config_from_dict
+from ray_app.errors import ConfigError, RunStopped, TrainingFailed, UserError
 from ray_app.worker import worker_main
 
 
@@ -265,7 +265,8 @@ def preflight_run(cfg: Config):
     preflight(storage)
     _check_resume(cfg, storage)
     if cfg.run.resume_from:
-        from ray_app.checkpoint import CheckpointError, committed_config
+        from ray_app.checkpoint import committed_config
+        from ray_app.errors import CheckpointError
 
         try:
             uri, saved = committed_config(cfg.run.resume_from)  # its manifest and config.json only
@@ -354,8 +355,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
 def raise_worker_failure(error) -> None:
     """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1);
     one line for a run stopped at the driver's SIGTERM (exit 143)."""
-    from ray_app.plugins import UserCodeError
-    from ray_app.preemption import Stopped
+    from ray_app.errors import Stopped, UserCodeError
 
     failures = getattr(error, "worker_failures", None) or {}
     by_rank = [failures[r] for r in sorted(failures)]
@@ -407,7 +407,8 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     are rebuilt from the checkpoint's own config (``--set`` may change keys such as ``scaling.num_workers``)."""
     import tempfile
 
-    from ray_app.checkpoint import CheckpointError, committed_config
+    from ray_app.checkpoint import committed_config
+    from ray_app.errors import CheckpointError
 
     try:
         checkpoint, saved = committed_config(uri)  # its manifest and config.json: the workers load the rest

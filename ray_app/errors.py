@@ -1,9 +1,78 @@
 """Every exception the kit raises on purpose, when each is raised, and the exit code it ends a command with.
 
 Callers import their exceptions from here only, so no module imports another just to catch its error.
+``exit_code`` is the one table the command line uses (``ray_app.cli``):
+
+- 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``UserError``;
+- 1, training failed: ``TrainingFailed`` (a bug in the user's code after its retry, every restart spent);
+- 143 (128 + SIGTERM), stopped: ``RunStopped``, after the checkpoint of the driver's SIGTERM.
+
+Raised in workers and carried to the driver: ``UserCodeError`` (the user's traceback, shown once),
+``Preempted`` / ``Stopped`` (every rank, after the checkpoint they agreed on), ``StorageUnavailable`` (a
+fault: the worker group restarts).
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import traceback
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """Bad input a user can fix: the message names the key and the fix."""
+
+
+class PluginError(ConfigError):
+    """A plug-in that breaks its contract. Raised in a worker it ends the run at once (exit code 2)."""
+
+
+class UserCodeError(RuntimeError):
+    """An exception raised inside the user's code on a worker, carried to the driver as text.
+
+    ``fingerprint`` says where it happened (exception type, message, the innermost frames, the
+    global step); the same fingerprint after a restart means a bug, not a fault.
+    """
+
+    def __init__(self, summary: str, traceback_text: str, fingerprint: str, rank: int):
+        super().__init__(summary, traceback_text, fingerprint, rank)
+        self.summary, self.traceback_text, self.fingerprint, self.rank = summary, traceback_text, fingerprint, rank
+
+    def __str__(self) -> str:
+        return self.summary
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, rank: int, step: int, roots: tuple[str, ...]) -> UserCodeError | None:
+        """The exception as raised in plug-in code under ``roots``; None if no frame of it is there."""
+        frames = traceback.extract_tb(exc.__traceback__)
+        mine = [i for i, f in enumerate(frames) if under(f.filename, roots)]
+        if not mine:
+            return None
+        # the user's frames and what they called; not the kit's or Ray's above them, nor torch's call plumbing
+        shown = [f for f in frames[mine[0]:] if not _plumbing(f)]
+        text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(shown)) + \
+            "".join(traceback.format_exception_only(type(exc), exc))
+        summary = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [type(exc).__name__])[0][:500]
+        where = frames[mine[-1]]
+        return cls(summary, text, f"{type(exc).__qualname__}|{exc}|{where.filename}:{where.lineno}|step {step}", rank)
+
+
+_PLUMBING = {("module.py", "_wrapped_call_impl"), ("module.py", "_call_impl"), ("distributed.py", "forward"),
+             ("distributed.py", "_run_ddp_forward")}
+
+
+def _plumbing(frame: traceback.FrameSummary) -> bool:
+    """torch's nn.Module.__call__ and DDP's forward: between the user's call and the user's forward."""
+    return f"{os.sep}torch{os.sep}nn{os.sep}" in frame.filename and (Path(frame.filename).name, frame.name) in _PLUMBING
+
+
+def under(filename: str, roots: tuple[str, ...]) -> bool:
+    """Whether ``filename`` lies in one of the folders (or is one of the files) ``roots``."""
+    if filename.startswith("<"):  # "<frozen runpy>", "<string>": no file, and abspath would put it in the cwd
+        return False
+    path = os.path.abspath(filename)
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
 class StorageError(RuntimeError):
@@ -27,3 +96,41 @@ class TrainingFailed(RuntimeError):
 
 class RunStopped(RuntimeError):
     """The driver was sent SIGTERM and the workers' checkpoint is committed (exit code 143 = 128 + SIGTERM)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted (missing, incomplete, tampered)."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files do not match its manifest (missing, incomplete, damaged, tampered): a restore
+    skips it for the next older one. Storage errors are never this."""
+
+    def __init__(self, uri: str, reason: str):
+        super().__init__(f"checkpoint {uri} failed verification: {reason}")
+        self.uri, self.reason = uri, reason
+
+
+class Preempted(RuntimeError):
+    """Every rank raises this after the preemption checkpoint is committed: restart the group from it."""
+
+
+class Stopped(RuntimeError):
+    """Every rank raises this after the checkpoint of a stop request is committed: the run ends there."""
+
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 128 + signal.SIGTERM, 130
+BAD_INPUT = (ConfigError, StorageError, CheckpointError, UserError)  # one line naming the key or resource
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code a command ends with for ``exc``; None for an exception the kit did not raise on purpose."""
+    if isinstance(exc, BAD_INPUT):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, TrainingFailed):
+        return EXIT_FAILED
+    if isinstance(exc, RunStopped):
+        return EXIT_STOPPED
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return None

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
-from ray_app.config import ConfigError
-from ray_app.plugins import UserCodeError
-from ray_app.preemption import Preempted, Stopped
+from ray_app.errors import ConfigError, Preempted, Stopped, UserCodeError
 
 
 class KitFailurePolicy(DefaultFailurePolicy):

@@ -47,7 +47,7 @@ def torchvision_classifier(name: str, num_classes: int, channels: int = 3, **kwa
     """A torchvision classifier by name (``resnet18``, ...), random init; other args go to torchvision."""
     import torchvision
 
-    from ray_app.plugins import PluginError
+    from ray_app.errors import PluginError
 
     if channels != 3:
         raise PluginError(f"config key model.name: {name} needs 3-channel images and the data has {channels}; "

@@ -29,10 +29,10 @@ import importlib.util
 import inspect
 import os
 import sys
-import traceback
 from pathlib import Path
 
-from ray_app.config import Config, ConfigError
+from ray_app.config import Config
+from ray_app.errors import ConfigError, PluginError
 
 KINDS = ("data", "model", "task")
 
@@ -48,56 +48,6 @@ TORCHVISION_TARGET = "ray_app.models:torchvision_classifier"  # any torchvision 
 
 # what the built-in data sets' info holds, known without loading them (checked against the real ones in tests)
 BUILTIN_DATA_CHANNELS = {"digits": 1, "synthetic": 3, "cifar10": 3, "imagefolder": 3}
-
-
-class PluginError(ConfigError):
-    """A plug-in that breaks its contract. Raised in a worker it ends the run at once (exit code 2)."""
-
-
-class UserCodeError(RuntimeError):
-    """An exception raised inside the user's code on a worker, carried to the driver as text.
-
-    ``fingerprint`` says where it happened (exception type, message, the innermost frames, the
-    global step); the same fingerprint after a restart means a bug, not a fault.
-    """
-
-    def __init__(self, summary: str, traceback_text: str, fingerprint: str, rank: int):
-        super().__init__(summary, traceback_text, fingerprint, rank)
-        self.summary, self.traceback_text, self.fingerprint, self.rank = summary, traceback_text, fingerprint, rank
-
-    def __str__(self) -> str:
-        return self.summary
-
-    @classmethod
-    def from_exception(cls, exc: BaseException, rank: int, step: int, roots: tuple[str, ...]) -> UserCodeError | None:
-        """The exception as raised in plug-in code under ``roots``; None if no frame of it is there."""
-        frames = traceback.extract_tb(exc.__traceback__)
-        mine = [i for i, f in enumerate(frames) if _under(f.filename, roots)]
-        if not mine:
-            return None
-        # the user's frames and what they called; not the kit's or Ray's above them, nor torch's call plumbing
-        shown = [f for f in frames[mine[0]:] if not _plumbing(f)]
-        text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(shown)) + \
-            "".join(traceback.format_exception_only(type(exc), exc))
-        summary = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [type(exc).__name__])[0][:500]
-        where = frames[mine[-1]]
-        return cls(summary, text, f"{type(exc).__qualname__}|{exc}|{where.filename}:{where.lineno}|step {step}", rank)
-
-
-_PLUMBING = {("module.py", "_wrapped_call_impl"), ("module.py", "_call_impl"), ("distributed.py", "forward"),
-             ("distributed.py", "_run_ddp_forward")}
-
-
-def _plumbing(frame: traceback.FrameSummary) -> bool:
-    """torch's nn.Module.__call__ and DDP's forward: between the user's call and the user's forward."""
-    return f"{os.sep}torch{os.sep}nn{os.sep}" in frame.filename and (Path(frame.filename).name, frame.name) in _PLUMBING
-
-
-def _under(filename: str, roots: tuple[str, ...]) -> bool:
-    if filename.startswith("<"):  # "<frozen runpy>", "<string>": no file, and abspath would put it in the cwd
-        return False
-    path = os.path.abspath(filename)
-    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
 def plugin_roots(cfg: Config) -> tuple[str, ...]:

@@ -32,14 +32,6 @@ TRAINING = threading.Event()  # set while the training loop runs: only there can
 _RAYS_HANDLER: list = []  # what SIGTERM did before install(): Ray's exit
 
 
-class Preempted(RuntimeError):
-    """Every rank raises this after the preemption checkpoint is committed: restart the group from it."""
-
-
-class Stopped(RuntimeError):
-    """Every rank raises this after the checkpoint of a stop request is committed: the run ends there."""
-
-
 def notify(why: str, kind: int = PREEMPT) -> None:
     first = not NOTICE.is_set()
     _KIND[0] = max(_KIND[0], kind)

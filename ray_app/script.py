@@ -71,7 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ray_app.config import ConfigError, RunSection
+from ray_app.config import RunSection
+from ray_app.errors import ConfigError
 
 STATE_FILE = "state.pt"
 BUILTIN_RUN_NAME = RunSection().name  # the built-in example's; a script's run is named after the script
@@ -115,7 +116,7 @@ def run_in_worker(job: dict, runtime) -> dict:
     exception or non-zero exit of the script comes back as a ``UserCodeError`` the driver shows once."""
     import ray.train
 
-    from ray_app.plugins import UserCodeError
+    from ray_app.errors import UserCodeError
 
     global _SESSION
     started = time.time()
@@ -176,7 +177,7 @@ def script_roots(script: str) -> tuple[str, ...]:
     """Where the user's code is, for their traceback and the failure policy's fingerprint: the script's
     folder, or the script alone when that folder also holds the kit or the Python environment (a venv
     inside the project), whose frames are not the user's."""
-    from ray_app.plugins import _under
+    from ray_app.errors import under as _under
 
     folder = os.path.dirname(script)
     holds_others = any(_under(p, (folder,)) for p in (os.path.dirname(os.path.abspath(__file__)), sys.prefix))

@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from ray_app.config import Config, ConfigError, config_from_dict
+from ray_app.config import Config, config_from_dict
+from ray_app.errors import ConfigError
 
 
 class RayRuntime:
@@ -140,7 +141,8 @@ def preemption_agreement(cfg: Config):
 
 def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
     """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
-    from ray_app.checkpoint import CheckpointError, load_verified, resolve_checkpoint_uri
+    from ray_app.checkpoint import load_verified, resolve_checkpoint_uri
+    from ray_app.errors import CheckpointError
     from ray_app.loop import Trainer, build_parts
     from ray_app.metrics import NullMetrics
 
@@ -165,9 +167,9 @@ def worker_main(job: dict, results=None) -> None:
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
     failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
     """
-    from ray_app.loop import RunStats
-    from ray_app.plugins import UserCodeError, plugin_roots
-    from ray_app.preemption import Preempted, Stopped
+    from ray_app.errors import Preempted, Stopped, UserCodeError
+    from ray_app.plugins import plugin_roots
+    from ray_app.progress import RunStats
     from ray_app.storage import open_storage
 
     stats = RunStats()

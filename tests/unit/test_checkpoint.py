@@ -19,7 +19,6 @@ import torch
 from ray_app.checkpoint import (
     MANIFEST,
     Checkpointer,
-    CheckpointError,
     CheckpointPayload,
     capture_rng_state,
     checkpoint_dir_name,
@@ -35,7 +34,7 @@ from ray_app.checkpoint import (
     write_checkpoint_dir,
     write_manifest,
 )
-from ray_app.errors import StorageError
+from ray_app.errors import CheckpointError, StorageError
 from ray_app.storage import LocalStorage
 from tests.support.checkpoints import tiny_payload as checkpoint_payload
 

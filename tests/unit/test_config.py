@@ -11,8 +11,9 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from ray_app.config import Config, ConfigError, load_config, parse_override
+from ray_app.config import Config, load_config, parse_override
 from ray_app.config_reference import describe_keys, format_default, keys_markdown, sections
+from ray_app.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from ray_app import data
-from ray_app.config import ConfigError, load_config
+from ray_app.config import load_config
+from ray_app.errors import ConfigError
 from ray_app.plugins import build_data, validate, validate_local_data
 
 

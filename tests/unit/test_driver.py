@@ -15,7 +15,7 @@ import torch
 from ray_app import driver
 from ray_app import worker as worker_side
 from ray_app.checkpoint import checkpoint_dir_name
-from ray_app.config import ConfigError, load_config
+from ray_app.config import load_config
 from ray_app.driver import (
     LEAN_DROPPED_CALLBACKS,
     build_trainer,
@@ -24,8 +24,7 @@ from ray_app.driver import (
     raise_worker_failure,
     validate_before_ray,
 )
-from ray_app.errors import TrainingFailed, UserError
-from ray_app.plugins import PluginError, UserCodeError
+from ray_app.errors import ConfigError, PluginError, TrainingFailed, UserCodeError, UserError
 from ray_app.worker import worker_main
 from tests.support.checkpoints import write_checkpoint
 from tests.support.stand_ins import assert_stands_in_for

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from ray_app.checkpoint import Checkpointer
-from ray_app.config import ConfigError, load_config
-from ray_app.loop import RunStats, Trainer, build_parts
+from ray_app.config import load_config
+from ray_app.errors import ConfigError
+from ray_app.loop import Trainer, build_parts
+from ray_app.progress import RunStats
 from ray_app.storage import LocalStorage
 from ray_app.tasks import Classification
 from tests.unit.test_loop_ddp import FakeRuntime, RecordingMetrics, _finish, _init, _load_ranks, _spawn
@@ -112,7 +114,7 @@ def _counts_worker(rank: int, world: int, port: int, out: str, storage: str) -> 
         if name == "three-epochs":  # what one evaluation sends, for a task of means and one of every row
             with CollectiveTraffic(dist) as means_only:
                 trainer.evaluate()
-            trainer.task = RowsTask()
+            trainer.evaluator.task = RowsTask()
             with CollectiveTraffic(dist) as rows:
                 rows_result = trainer.evaluate()
             results["traffic"] = {"means": means_only.sent, "rows": rows.sent, "rows_result": rows_result}

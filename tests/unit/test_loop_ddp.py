@@ -25,19 +25,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified, verify
 from ray_app.config import load_config
-from ray_app.loop import (
-    ExactSums,
-    MetricsSink,
-    ResumableDistributedSampler,
-    Runtime,
-    Trainer,
-    assert_identical_parameters,
-    build_parts,
-    gather_eval_rows,
-    global_mean,
-    lr_lambda,
-)
+from ray_app.ddp import ExactSums, ResumableDistributedSampler, assert_identical_parameters, gather_eval_rows, global_mean, lr_lambda
+from ray_app.loop import Runtime, Trainer, build_parts
 from ray_app.metrics import NullMetrics
+from ray_app.progress import MetricsSink
 from ray_app.storage import LocalStorage
 from tests.support.evaluation import accuracy_and_loss, default_model_eval
 from tests.support.stand_ins import assert_stands_in_for
@@ -118,7 +109,7 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
                       "padded_count": len(local_idx) * world}
     # practice 5 without gathering: masked, exact sums of every rank's values, one all_reduce
     values = torch.stack([F.cross_entropy(logits, targets, reduction="none").double(), hard_values()], dim=1)
-    keep = torch.arange(len(local_idx)) * world + rank < EVAL_N  # = build_parts' eval_keep
+    keep = torch.arange(len(local_idx)) * world + rank < EVAL_N  # = build_parts' eval_set.keep
     sums = ExactSums(2, torch.device("cpu"))
     for start in range(0, len(local_idx), 16):  # batch by batch, as the loop adds them
         sums.add(values[local_idx[start:start + 16]], keep[start:start + 16])
@@ -623,7 +614,7 @@ def test_nested_batches_and_the_datas_collate_fn_reach_the_task(tmp_path, port_p
 def test_to_device_moves_every_tensor_of_any_structure():
     from collections import namedtuple
 
-    from ray_app.loop import first_dim, to_device
+    from ray_app.ddp import first_dim, to_device
 
     Pair = namedtuple("Pair", "a b")
     batch = {"x": torch.zeros(3, 2), "rest": [Pair(torch.ones(3), "label"), (torch.arange(3), 7)]}
@@ -649,7 +640,7 @@ class _RecordingLambdaLR(torch.optim.lr_scheduler.LambdaLR):
 
 @pytest.mark.timeout(30)
 def test_resumed_hyperparameters_are_set_through_public_attributes_only():
-    from ray_app.loop import apply_hyperparameters
+    from ray_app.resume import apply_hyperparameters
 
     cfg = load_config(None, ["train.lr=0.2", "train.optimizer=sgd", "train.momentum=0.5", "train.weight_decay=0.01"])
     model = torch.nn.Linear(3, 2)

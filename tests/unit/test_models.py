@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ray_app import models, plugins
-from ray_app.config import ConfigError, load_config
+from ray_app.config import load_config
+from ray_app.errors import ConfigError, PluginError
 from ray_app.models import DigitsCNN, count_parameters
-from ray_app.plugins import PluginError
 
 DIGITS = {"num_classes": 10, "channels": 1, "image_size": 8}
 SMALL_RGB = {"num_classes": 7, "channels": 3, "image_size": 16}

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_app import plugins, tasks
-from ray_app.config import ConfigError, load_config
-from ray_app.plugins import BUILTIN, PluginError, UserCodeError, build_data, build_model, build_task, validate
+from ray_app.config import load_config
+from ray_app.errors import ConfigError, PluginError, UserCodeError
+from ray_app.plugins import BUILTIN, build_data, build_model, build_task, validate
 
 
 def cfg(*overrides: str):

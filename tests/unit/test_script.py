@@ -18,9 +18,8 @@ import torch.distributed as dist
 from ray_app import script as kit
 from ray_app import worker
 from ray_app.checkpoint import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
-from ray_app.config import ConfigError, load_config
-from ray_app.errors import UserError
-from ray_app.plugins import UserCodeError
+from ray_app.config import load_config
+from ray_app.errors import ConfigError, UserCodeError, UserError
 from ray_app.storage import LocalStorage
 from ray_app.worker import worker_main
 from tests.support.stand_ins import assert_stands_in_for
