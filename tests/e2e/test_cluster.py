@@ -26,10 +26,11 @@ from tests.support.ddp_script import TRAIN, lines_of, write_scripts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# ~1 s per epoch here: long enough for Prometheus to discover and scrape rank 0 (its SD updates every
-# 5 s) and to put a fault in after the first checkpoint; every job trains as many, so the faulted ones
-# can be compared with the uninterrupted one
-EPOCHS = 12
+# 0.5-1 s per epoch: long enough for Prometheus to discover and scrape rank 0 (its SD updates every
+# 5 s) and to put a fault in after the first checkpoint with seconds of training left (12 epochs were
+# not, once evaluation got cheaper: a job ended before its stop); every job trains as many, so the
+# faulted ones can be compared with the uninterrupted one
+EPOCHS = 24
 ELASTIC_EPOCHS = 40      # the elastic job: long enough for a loss, a restart at 2, a join and a restart at 3
 ELASTIC_RESIZE_S = 5
 ELASTIC_ACCURACY = 0.9   # digits, 40 epochs: an uninterrupted run ends near 0.97
@@ -182,10 +183,12 @@ def test_killed_worker_container_resumes_from_newest_checkpoint(cluster, referen
     before_kill = cluster.s3.committed_steps(run)
     docker("kill", victim)
     killed_at = time.monotonic()
-    after_kill = cluster.s3.committed_steps(run)
-    assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the kill; raise EPOCHS"
-    time.sleep(2)
-    docker("start", victim)  # the same container: same `ray start --address head:6379 --block`
+    try:
+        after_kill = cluster.s3.committed_steps(run)
+        assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the kill; raise EPOCHS"
+        time.sleep(2)
+    finally:
+        docker("start", victim)  # the same container: same `ray start --address head:6379 --block`
 
     status = cluster.wait_for_job(sid, timeout=480)
     logs = cluster.job_logs(sid)
@@ -224,12 +227,14 @@ def test_stopped_worker_container_checkpoints_at_the_sigterm_and_no_step_is_lost
     before = logged_steps(cluster.job_logs(sid))
     committed_before = cluster.s3.committed_steps(run)
     stopped_at = time.monotonic()
-    docker("stop", "-t", "30", victim, timeout=90)
-    stop_seconds = time.monotonic() - stopped_at
-    exit_code = int(docker("inspect", "-f", "{{.State.ExitCode}}", victim).stdout.strip())
-    assert exit_code != 137, "the container was SIGKILLed at the end of its grace period"  # it left by itself
-    assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the stop; raise EPOCHS"
-    docker("start", victim)
+    try:
+        docker("stop", "-t", "30", victim, timeout=90)
+        stop_seconds = time.monotonic() - stopped_at
+        exit_code = int(docker("inspect", "-f", "{{.State.ExitCode}}", victim).stdout.strip())
+        assert exit_code != 137, "the container was SIGKILLed at the end of its grace period"  # it left by itself
+        assert cluster.job_status(sid) in {"RUNNING", "PENDING"}, "the job ended before the stop; raise EPOCHS"
+    finally:
+        docker("start", victim)  # the next tests need the cluster whole, whatever happened here
 
     status = cluster.wait_for_job(sid, timeout=480)
     logs = cluster.job_logs(sid)
