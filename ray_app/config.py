@@ -94,6 +94,10 @@ class TrainSection:
     log_every_steps: int = _f(20, "Optimizer steps between progress lines and metric updates.", min=1)
     bucket_cap_mb: int = _f(25, "DDP gradient bucket size in MB.", min=1)
     max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)
+    nonfinite: str = _f("stop", "A step whose loss or gradients are not finite (inf/NaN): stop (exit 1 at that step, "
+                        "naming the newest good checkpoint), skip (drop that optimizer step on every rank, counted in "
+                        "the summary) or ignore (step anyway). No checkpoint with non-finite parameters is ever "
+                        "committed.", choices=["stop", "skip", "ignore"])
 
 
 @dataclass

@@ -355,12 +355,15 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
 def raise_worker_failure(error) -> None:
     """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1);
     one line for a run stopped at the driver's SIGTERM (exit 143)."""
-    from ray_app.errors import Stopped, UserCodeError
+    from ray_app.errors import Diverged, Stopped, UserCodeError
 
     failures = getattr(error, "worker_failures", None) or {}
     by_rank = [failures[r] for r in sorted(failures)]
     if by_rank and all(isinstance(e, Stopped) for e in by_rank):
         raise RunStopped(str(by_rank[0]).strip().splitlines()[0])
+    diverged = [e for e in by_rank if isinstance(e, Diverged)]
+    if diverged:
+        raise TrainingFailed(str(diverged[0]).strip().splitlines()[0])
     bad_input = [e for e in by_rank if isinstance(e, ConfigError)]
     if bad_input:
         raise UserError(str(bad_input[0]).strip().splitlines()[0])
@@ -391,6 +394,7 @@ def run_training(cfg: Config) -> dict:
         "train_seconds": m.get("train_seconds"),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "resumed_from_step": m.get("resumed_from_step", 0),
+        "skipped_steps": m.get("skipped_steps", 0),  # non-finite steps dropped (train.nonfinite=skip)
         "world_size": m.get("world_size", cfg.scaling.num_workers),  # the last worker group's (elastic: may be fewer)
         "steady_samples_per_second": m.get("steady_samples_per_second"),
         # this worker group's checkpoints and the time training waited for them

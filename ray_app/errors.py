@@ -8,7 +8,8 @@ Callers import their exceptions from here only, so no module imports another jus
 - 143 (128 + SIGTERM), stopped: ``RunStopped``, after the checkpoint of the driver's SIGTERM.
 
 Raised in workers and carried to the driver: ``UserCodeError`` (the user's traceback, shown once),
-``Preempted`` / ``Stopped`` (every rank, after the checkpoint they agreed on), ``StorageUnavailable`` (a
+``Preempted`` / ``Stopped`` (every rank, after the checkpoint they agreed on), ``Diverged``
+(every rank at the same step: training diverged with ``train.nonfinite: stop``), ``StorageUnavailable`` (a
 fault: the worker group restarts).
 """
 
@@ -109,6 +110,11 @@ class CheckpointDamaged(CheckpointError):
     def __init__(self, uri: str, reason: str):
         super().__init__(f"checkpoint {uri} failed verification: {reason}")
         self.uri, self.reason = uri, reason
+
+
+class Diverged(RuntimeError):
+    """Every rank raises this at the same step when the loss or the gradients are not finite and
+    ``train.nonfinite`` is ``stop``: the run ends there (exit code 1), its newest good checkpoint kept."""
 
 
 class Preempted(RuntimeError):

@@ -9,6 +9,8 @@
 - Preemption (every rank raised ``Preempted`` after the checkpoint it agreed on was committed)
   restarts the group from that checkpoint without counting against ``failure.max_failures``, as Ray
   Train counts its own preemptions separately.
+- Divergence (``Diverged``: a non-finite loss or gradient with ``train.nonfinite: stop``) ends the run: a
+  restart from the newest checkpoint would diverge again the same way.
 - A stop (every rank raised ``Stopped`` after the checkpoint of the driver's stop request was
   committed) ends the run: the driver was told to stop.
 - Everything else (a killed or lost worker, a collective that failed, storage errors) follows Ray
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
-from ray_app.errors import ConfigError, Preempted, Stopped, UserCodeError
+from ray_app.errors import ConfigError, Diverged, Preempted, Stopped, UserCodeError
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
@@ -29,7 +31,7 @@ class KitFailurePolicy(DefaultFailurePolicy):
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         errors = list((getattr(training_failed_error, "worker_failures", None) or {}).values())
-        if any(isinstance(e, (ConfigError, Stopped)) for e in errors):
+        if any(isinstance(e, (ConfigError, Stopped, Diverged)) for e in errors):
             return FailureDecision.RAISE
         if errors and all(isinstance(e, Preempted) for e in errors):
             return FailureDecision.RETRY

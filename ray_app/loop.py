@@ -44,7 +44,7 @@ from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state
 from ray_app.config import Config
 from ray_app.ddp import ResumableDistributedSampler, assert_identical_parameters, first_dim, lr_lambda, seed_everything, to_device
-from ray_app.errors import PluginError, Preempted, Stopped
+from ray_app.errors import Diverged, PluginError, Preempted, Stopped
 from ray_app.evaluation import EvalSet, Evaluator, describe
 from ray_app.plugins import build_data, build_model, build_task
 from ray_app.preemption import STOP, TRAINING, Agreement
@@ -172,6 +172,9 @@ class Trainer:
         self.last_train_loss = float("nan")
         self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
         self._loss_checked = False  # the task's loss output is checked against the contract once
+        self.nonfinite = cfg.train.nonfinite  # stop | skip | ignore
+        self.skipped_steps = 0  # optimizer steps dropped for non-finite gradients (train.nonfinite=skip)
+        self._last_loss = None  # this rank's loss of the step's last micro-batch (for the divergence line)
 
     def print0(self, msg: str) -> None:
         if self.is_rank0:
@@ -283,7 +286,13 @@ class Trainer:
         with ctx:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 loss, n = self._task_loss(batch)
-            (loss / group_size).backward()
+            scaled = loss / group_size
+            if self.nonfinite != "ignore":
+                # a non-finite loss on any rank makes every rank's gradients NaN through DDP's own all-reduce:
+                # the ranks agree on a divergence at this step without a collective of their own (no host sync)
+                scaled = scaled * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
+            scaled.backward()
+        self._last_loss = loss.detach()
         return loss, n
 
     def _task_loss(self, batch):
@@ -304,13 +313,44 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         self._account(self.ckpt.settle())  # a staged snapshot is still copying what step() changes
-        if self.cfg.train.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-        self.optimizer.step()
+        finite = self._gradients_finite()
+        if finite:
+            self.optimizer.step()
+        else:
+            self._nonfinite_step()  # stop: raises; skip: this step is dropped on every rank
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.scheduler.step()  # a skipped step keeps its place in the LR schedule and the data order
         self.pos.global_step += 1
         self.stats.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
+
+    def _gradients_finite(self) -> bool:
+        """Clip to ``train.clip_grad_norm``; whether the global gradient norm is finite. After DDP's
+        all-reduce every rank holds the same gradients, so every rank gets the same answer."""
+        if self.nonfinite == "ignore" and not self.cfg.train.clip_grad_norm:
+            return True
+        if self.cfg.train.clip_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
+        else:  # the norm alone: one pass over the gradients, one number to the host
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return self.nonfinite == "ignore" or bool(torch.isfinite(norm))
+
+    def _nonfinite_step(self) -> None:
+        step = self.pos.global_step + 1
+        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            self.print0(f"step {step}: the loss or the gradients are not finite (rank {self.rank}'s loss {loss:g}); "
+                        "this optimizer step is skipped on every rank (train.nonfinite=skip)")
+            return
+        newest = (f"newest good checkpoint: {self.ckpt.last_uri}; lower train.lr or set train.clip_grad_norm and run "
+                  "again to resume from it" if self.ckpt.last_uri else
+                  "no checkpoint was committed before it; lower train.lr or set train.clip_grad_norm")
+        raise Diverged(f"training diverged at step {step}: the loss or the gradients are not finite (rank "
+                       f"{self.rank}'s loss {loss:g}); {newest} (or set train.nonfinite=skip)")
+
+    def _parameters_finite(self) -> bool:
+        """Every rank holds the same parameters (DDP), so every rank gets the same answer."""
+        return all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
 
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]  # the LR in use (= the scheduler's, set by its step)
@@ -342,7 +382,14 @@ class Trainer:
                 "resumed_from_step": self.resumed_from_step, **self.last_eval}
 
     def checkpoint(self, metrics: dict | None = None) -> None:
-        """Every rank calls this at the same point (RNG gather + Ray's report are collectives)."""
+        """Every rank calls this at the same point (RNG gather + Ray's report are collectives). Parameters
+        that are not finite are never committed (``train.nonfinite=ignore`` lets them come about): the
+        step reports its metrics without a checkpoint, so retention keeps the newest good one."""
+        if not self._parameters_finite():
+            self.print0(f"step {self.pos.global_step}: parameters are not finite; no checkpoint is committed "
+                        f"(newest good: {self.ckpt.last_uri})")
+            self.rt.report(dict(self._metrics_dict(), **(metrics or {})))  # Ray's barrier: every rank reports
+            return
         gathered = [None] * self.world_size
         # sync point: each rank's RNG goes to rank 0, and rank 0's name for the checkpoint to every rank
         dist.all_gather_object(gathered, (capture_rng_state(), self.ckpt.new_name(self.pos.global_step)))
@@ -370,6 +417,7 @@ class Trainer:
 
     def _final_metrics(self) -> dict:
         return {**self._metrics_dict(), "epochs": self.pos.epoch, "world_size": self.world_size,
+                "skipped_steps": self.skipped_steps,
                 "train_seconds": self.stats.train_seconds(),
                 "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
 

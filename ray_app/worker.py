@@ -167,7 +167,7 @@ def worker_main(job: dict, results=None) -> None:
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
     failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
     """
-    from ray_app.errors import Preempted, Stopped, UserCodeError
+    from ray_app.errors import Diverged, Preempted, Stopped, UserCodeError
     from ray_app.plugins import plugin_roots
     from ray_app.progress import RunStats
     from ray_app.storage import open_storage
@@ -189,7 +189,7 @@ def worker_main(job: dict, results=None) -> None:
         else:
             result, trainer = _train(cfg, runtime, stats)
     except Exception as exc:
-        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped)):
+        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged)):
             _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
             raise
         pos = getattr(trainer, "pos", None)

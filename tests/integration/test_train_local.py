@@ -112,3 +112,19 @@ def test_training_the_same_run_again_resumes(trained, train):
     assert again["checkpoint"] == first["checkpoint"]
     assert again["eval_accuracy"] == first["eval_accuracy"]
     assert again["train_seconds"] < max(first["train_seconds"] / 3, 5.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_diverging_run_ends_with_one_line_and_exit_1(run_cli, tmp_path, port_picker):
+    """`--set train.lr=1e6` (what a user tries): the run stops at the step its loss turns non-finite, exit 1,
+    one line naming that step, no traceback; no checkpoint it left holds a non-finite parameter."""
+    rc, out, err = run_cli(["train", "--set", f"run.storage={tmp_path}", "--set", "run.name=diverge",
+                            "--set", "train.lr=1e6", "--set", "train.epochs=1", "--set", "checkpoint.every_steps=1",
+                            "--set", f"metrics.port={port_picker()}"], env=LOCAL_ENV, timeout=240)
+    assert rc == 1, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ray-app: training failed: training diverged at step "), err[-3000:]
+    assert "Traceback" not in out + err and err.count("training diverged") == 1, err[-3000:]
+    for model in (tmp_path / "diverge").glob("ckpt-s*/model.pt"):
+        state = torch.load(model, weights_only=True)
+        assert all(bool(torch.isfinite(t).all()) for t in state.values()), model
