@@ -128,3 +128,20 @@ def test_a_diverging_run_ends_with_one_line_and_exit_1(run_cli, tmp_path, port_p
     for model in (tmp_path / "diverge").glob("ckpt-s*/model.pt"):
         state = torch.load(model, weights_only=True)
         assert all(bool(torch.isfinite(t).all()) for t in state.values()), model
+
+
+@pytest.mark.timeout(180)
+def test_a_cluster_too_small_exits_2_and_leaves_no_ray_running(run_cli, tmp_path):
+    """More workers than this machine has CPUs: found once Ray is up (exit 2, one line naming the keys), and
+    the local Ray the command started stops with it (no process of it is left)."""
+    import secrets
+
+    from tests.support.processes import MARKER, processes_marked
+
+    marker = secrets.token_hex(8)  # in the environment of the driver and of every Ray process it starts
+    rc, out, err = run_cli(["train", "--set", f"run.storage={tmp_path}", "--set", "scaling.num_workers=64"],
+                           env={**LOCAL_ENV, MARKER: marker}, timeout=150)
+    assert rc == 2, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    assert err.strip().splitlines()[-1].startswith("ray-app: error: config key scaling.num_workers=64"), err[-2000:]
+    left = processes_marked(marker)
+    assert not left, [" ".join(p.cmdline())[:120] for p in left]
