@@ -76,6 +76,8 @@ class MetricsSink(Protocol):
 
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
 
+    def checkpoint_state(self) -> dict: ...  # kept in each checkpoint; given back to start(tracking=...) on resume
+
     def close(self) -> None: ...
 
 
@@ -472,6 +474,7 @@ class Trainer:
         self.pos = Position()
         self.resumed_from_step = 0
         self.resumed_checkpoint_unix = 0.0
+        self.resumed_tracking: dict = {}  # the sink's checkpoint_state() of the checkpoint resumed from
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
         self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
@@ -522,6 +525,7 @@ class Trainer:
         self.resumed_from_step = self.pos.global_step
         self.resumed_checkpoint_unix = loaded.created
         self.last_eval = s.get("last_eval", {})
+        self.resumed_tracking = s.get("tracking", {})
         self.print0(f"resumed from {loaded.uri} at epoch {self.pos.epoch} batch {self.pos.batches_done} "
                     f"step {self.pos.global_step}")
 
@@ -565,7 +569,7 @@ class Trainer:
         self.metrics.start(run=c.run.name, model=c.model.name, dataset=c.data.name, task=c.task.name,
                            version=__version__, world_size=self.world_size, resumed_from_step=self.resumed_from_step,
                            global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda",
-                           last_checkpoint_unix=self.resumed_checkpoint_unix)
+                           last_checkpoint_unix=self.resumed_checkpoint_unix, tracking=self.resumed_tracking)
 
     def _new_interval(self) -> _Interval:
         zero = torch.zeros((), device=self.device)
@@ -797,7 +801,7 @@ class Trainer:
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
                        "samples_done": self.pos.samples_done,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
-                       "last_eval": self.last_eval},
+                       "last_eval": self.last_eval, "tracking": self.metrics.checkpoint_state()},
                 config=self.cfg.to_dict(), metrics=metrics,
             )
         self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys,
