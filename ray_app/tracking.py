@@ -30,6 +30,7 @@ from pathlib import Path
 PROGRESS_KEYS = ("train_loss", "lr", "samples_per_second")  # what on_progress logs, under these names
 IMAGE_ENV = "RAY_APP_IMAGE"  # the image a pod runs, when the manifests say (a tag on the MLflow run)
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+UNSENT_IN_CHECKPOINT = 10_000  # values not sent yet that a checkpoint keeps (the newest)
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics, 100 params and 100 tags
 
 
@@ -152,6 +153,7 @@ class MlflowSink(_TrackerBase):
         self.dropped = 0
         self.down = False
         self._items: collections.deque = collections.deque(maxlen=buffer)
+        self._sending: list = []  # taken from _items by the thread, not yet confirmed by the server
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -165,6 +167,8 @@ class MlflowSink(_TrackerBase):
         self.run_id = resumed.get("mlflow_run_id") or None
         self.key = resumed.get("mlflow_key") or self.key
         self.step = global_step
+        # what the checkpoint's sink had not sent yet (the rest of its steps died with it): sent first
+        self._items.extend(tuple(item) for item in resumed.get("mlflow_unsent", []))
         self.tags = {"ray_app.run": run, "ray_app.world_size": str(world_size), "ray_app.version": version,
                      "ray_app.model": model, "ray_app.data": dataset, "ray_app.task": task,
                      "ray_app.resumed_from_step": str(resumed_from_step)}
@@ -193,36 +197,43 @@ class MlflowSink(_TrackerBase):
         self._put([("tag", f"checkpoint.step_{global_step}", uri), ("tag", "ray_app.last_checkpoint", uri)])
 
     def checkpoint_state(self) -> dict:
-        """Saved in each checkpoint, given back to ``start`` on resume: the run to continue."""
-        return {"mlflow_run_id": self.run_id, "mlflow_key": self.key}
+        """Saved in each checkpoint, given back to ``start`` on resume: the run to continue, and the values of
+        the checkpoint's steps not sent yet (a resume does not train those steps again; capped)."""
+        with self._lock:
+            unsent = [*self._sending, *self._items][-UNSENT_IN_CHECKPOINT:]
+        return {"mlflow_run_id": self.run_id, "mlflow_key": self.key, "mlflow_unsent": unsent}
 
     def close(self) -> None:
         self._closing = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=1.0 if self.down else self.CLOSE_WAIT_S)
-        left = len(self._items)
+        left = len(self._items) + len(self._sending)
         if left or self.dropped:
             self.say(f"WARNING: tracking: {left + self.dropped} metric values not logged to MLflow at "
                      f"{shown_uri(self.uri)} (unreachable at the end of the run or beyond tracking.buffer)")
 
     # ------------------------------------------------------------ the background thread
     def _run(self) -> None:
-        wait, pending = self.RETRY_S[0], []
+        wait = self.RETRY_S[0]
         while True:
             try:
                 if not self._ready:
                     self._resolve()
                     self._ready = True
-                if not pending:
-                    pending = self._take()
-                if pending:
-                    self._send(pending)
-                    pending = []
+                if not self._sending:
+                    self._take()
+                if self._sending:
+                    self._send(self._sending)
+                    with self._lock:
+                        self._sending = []
                 self._back()
                 wait = self.RETRY_S[0]
             except Exception as exc:  # the server's state must never reach training
                 self._gone(exc)
+                # a request that timed out may still be carried out by a server that hung: read back what the
+                # run has before sending the batch again, so no step is logged twice
+                self._ready = False
                 if self._closing:
                     return
                 self._wake.wait(wait)
@@ -236,9 +247,9 @@ class MlflowSink(_TrackerBase):
                 self._wake.wait(1.0)
                 self._wake.clear()
 
-    def _take(self) -> list:
+    def _take(self) -> None:
         with self._lock:
-            return [self._items.popleft() for _ in range(min(BATCH, len(self._items)))]
+            self._sending = [self._items.popleft() for _ in range(min(BATCH, len(self._items)))]
 
     def _gone(self, exc: BaseException) -> None:
         if not self.down:
@@ -374,8 +385,11 @@ def rank0_sink(cfg, storage, key: str, prometheus=None, say=print):
         else:
             say("WARNING: tracking: MLflow is configured but not installed (pip install 'ray-app[tracking]'); "
                 "training continues without it")
-    if cfg.tracking.tensorboard:
+    if cfg.tracking.tensorboard and importlib.util.find_spec("tensorboard") is not None:
         sinks.append(TensorBoardSink(storage, cfg.run.name, say=say))
+    elif cfg.tracking.tensorboard:
+        say("WARNING: tracking: tracking.tensorboard is on but tensorboard is not installed "
+            "(pip install 'ray-app[tracking]'); training continues without it")
     if len(sinks) == 1:
         return sinks[0]
     if not sinks:

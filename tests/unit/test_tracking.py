@@ -7,6 +7,7 @@ tests/integration/test_tracking_mlflow.py.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import types
@@ -138,7 +139,26 @@ def test_params_metrics_tags_and_checkpoints_reach_the_run_at_their_steps():
     assert run["tags"]["ray_app.world_size"] == "2" and run["tags"]["ray_app.model"] == "digits_cnn"
     assert run["tags"]["checkpoint.step_10"] == "s3://b/runs/r1/checkpoint_10"
     assert run["status"] == "FINISHED"
-    assert sink.checkpoint_state() == {"mlflow_run_id": "run0", "mlflow_key": "k1"}
+    assert sink.checkpoint_state() == {"mlflow_run_id": "run0", "mlflow_key": "k1", "mlflow_unsent": []}
+
+
+def test_values_not_sent_by_a_checkpoint_are_in_its_state_and_sent_by_the_resumed_run():
+    client = FakeMlflowClient()
+    first = _sink(client)
+    first.start(**START)
+    _progress(first, 1)
+    _wait(lambda: client.runs and client.runs["run0"]["metrics"])
+    client.down = True
+    for step in (2, 3):
+        _progress(first, step)
+    state = json.loads(json.dumps(first.checkpoint_state()))  # state.json: the worker then dies
+    assert [i[3] for i in state["mlflow_unsent"] if i[1] == "train_loss"] == [2, 3]
+    client.down = False
+    second = _sink(client, key="another-launch")
+    second.start(**dict(START, global_step=3), tracking=state)
+    _progress(second, 4)
+    second.close()
+    assert [s for s, _ in client.runs["run0"]["metrics"]["train_loss"]] == [1, 2, 3, 4]
 
 
 def test_a_down_server_never_blocks_a_step_and_says_so_once_each_way():
