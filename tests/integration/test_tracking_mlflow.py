@@ -212,7 +212,13 @@ def test_a_tracked_run_survives_a_late_server_a_killed_rank0_and_an_outage_with_
         for step, value in history["train_loss"]:
             if step in tb:
                 assert tb[step] == pytest.approx(value, rel=1e-6)
-        print(f"\n[tracking] steps in MLflow {len(loss_steps)}, compared with the kit's lines {len(compared)} (outage window {window[0]}..{window[-1]}), "
-              f"TensorBoard {len(tb_steps)}, lines: {[line.split('tracking: ')[1][:60] for line in [*gone, *back]]}")
+        sps = [(t, v) for t, _, _, _, _, v in _progress(run)]
+        during = sorted(v for t, v in sps if paused_at <= t <= paused_at + OUTAGE_S)
+        before = sorted(v for t, v in sps if paused_at - OUTAGE_S <= t < paused_at)
+        print(f"\n[tracking] MLflow steps {len(loss_steps)} (compared with the kit's lines: {len(compared)}; outage "
+              f"window steps {window[0]}..{window[-1]}), TensorBoard steps {len(tb_steps)}; lines: gone "
+              f"{gone[1][0] - paused_at:.1f}s after the pause, back {back[1][0] - paused_at - OUTAGE_S:.1f}s after "
+              f"it ended; median samples/s {before[len(before) // 2]:.0f} in the {OUTAGE_S}s before, "
+              f"{during[len(during) // 2]:.0f} during")
     finally:
         mlflow_server.resume()
