@@ -153,6 +153,10 @@ def test_values_not_sent_by_a_checkpoint_are_in_its_state_and_sent_by_the_resume
         _progress(first, step)
     state = json.loads(json.dumps(first.checkpoint_state()))  # state.json: the worker then dies
     assert [i[3] for i in state["mlflow_unsent"] if i[1] == "train_loss"] == [2, 3]
+    first._closing = True  # its thread gives up at its next failed try: what it holds dies with it
+    first._wake.set()
+    first._thread.join(10)
+    assert not first._thread.is_alive()
     client.down = False
     second = _sink(client, key="another-launch")
     second.start(**dict(START, global_step=3), tracking=state)
