@@ -301,3 +301,42 @@ def test_tensorboard_events_read_back_with_tensorboards_reader_after_a_resume(tm
     assert got["train_loss"] == want
     assert got["eval_accuracy"] == [(8, 0.5)]  # the eval at step 12 came after the checkpoint: purged
     assert [s for s, _ in got["lr"]] == list(range(1, 16))
+
+
+class RemoteStorage:
+    """An object store as the TensorBoard sink sees S3 (no local root): files in and out by name."""
+
+    def __init__(self, folder):
+        self._local = LocalStorage(str(folder))
+
+    def uri(self, *parts):
+        return "s3://bucket/" + "/".join(parts)
+
+    def list_files(self, rel):
+        return self._local.list_files(rel)
+
+    def read_bytes(self, rel):
+        return self._local.read_bytes(rel)
+
+    def upload_file(self, local, rel):
+        self._local.upload_file(local, rel)
+
+
+def test_on_object_storage_event_files_go_up_with_each_checkpoint_and_a_resume_continues_one_log(tmp_path):
+    pytest.importorskip("tensorboard")
+    storage = RemoteStorage(tmp_path / "bucket")
+    first = TensorBoardSink(storage, "r1")
+    first.start(**START)
+    for step in range(1, 13):
+        _progress(first, step)
+        if step == 8:
+            first.on_checkpoint_committed("s3://bucket/r1/checkpoint_8", 8)  # uploads what is written so far
+    second = TensorBoardSink(storage, "r1")  # another pod: the first one's local files are gone
+    assert second.logdir != first.logdir
+    second.start(**dict(START, global_step=8))
+    for step in range(9, 16):
+        _progress(second, step, loss=0.5)
+    second.close()
+    got = _scalars(tmp_path / "bucket" / "r1" / "tensorboard")
+    assert [s for s, _ in got["train_loss"]] == list(range(1, 16))
+    assert [v for s, v in got["train_loss"] if s > 8] == [0.5] * 7
