@@ -304,7 +304,7 @@ def test_tensorboard_events_read_back_with_tensorboards_reader_after_a_resume(tm
 
 
 class RemoteStorage:
-    """An object store as the TensorBoard sink sees S3 (no local root): files in and out by name."""
+    """An object store as the TensorBoard sink sees S3 (no local root): files go up by name."""
 
     def __init__(self, folder):
         self._local = LocalStorage(str(folder))
@@ -312,17 +312,11 @@ class RemoteStorage:
     def uri(self, *parts):
         return "s3://bucket/" + "/".join(parts)
 
-    def list_files(self, rel):
-        return self._local.list_files(rel)
-
-    def read_bytes(self, rel):
-        return self._local.read_bytes(rel)
-
     def upload_file(self, local, rel):
         self._local.upload_file(local, rel)
 
 
-def test_on_object_storage_event_files_go_up_with_each_checkpoint_and_a_resume_continues_one_log(tmp_path):
+def test_on_object_storage_event_files_go_up_with_each_checkpoint_and_a_resume_adds_to_one_log(tmp_path):
     pytest.importorskip("tensorboard")
     storage = RemoteStorage(tmp_path / "bucket")
     first = TensorBoardSink(storage, "r1")
