@@ -11,8 +11,9 @@ The loop knows nothing of either: it calls the same small sink it calls for Prom
   run was created with) is checkpoint state, and a value is sent only for a step after the newest step
   the run already has for that key, so a worker-group restart never logs a step twice.
 - ``TensorBoardSink``: the same scalars as event files in ``{run.storage}/{run.name}/tensorboard``
-  (on S3: written locally, uploaded after each committed checkpoint, downloaded on resume; a resumed
-  writer purges the steps after the checkpoint, so the curve has each step once).
+  (on S3: written locally, uploaded after each committed checkpoint; each writer's file has its own
+  name, so the earlier ones stay beside it; a resumed writer purges the steps after the checkpoint, so
+  the curve has each step once).
 """
 
 from __future__ import annotations
@@ -334,8 +335,6 @@ class TensorBoardSink(_TrackerBase):
         from torch.utils.tensorboard import SummaryWriter
 
         self.step = global_step
-        if not self.local:
-            self._download()
         # a resumed run replays the steps after its checkpoint: the reader drops the earlier events of those
         self.writer = SummaryWriter(str(self.logdir), purge_step=global_step + 1 if global_step else None)
 
@@ -358,10 +357,6 @@ class TensorBoardSink(_TrackerBase):
             self.writer.close()
             if not self.local:
                 self._upload()
-
-    def _download(self) -> None:
-        for name in self.storage.list_files(self.rel):
-            (self.logdir / name).write_bytes(self.storage.read_bytes(f"{self.rel}/{name}"))
 
     def _upload(self) -> None:
         try:
