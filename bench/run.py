@@ -9,7 +9,8 @@ Cases: (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
 (g) metrics exporter on vs off; (p) the per-step preemption agreement on vs off, workloads
-of (a) and (b); (s) script mode: the twin itself under `ray-app run`
+of (a) and (b); (t, not in the default set) MLflow tracking to a server that refuses and to one that
+hangs vs no tracking; (s) script mode: the twin itself under `ray-app run`
 vs torchrun, beside the plug-in mode's time to first step; (v, not in the default set) start-up experiments
 with bench/variants.py. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
 order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
@@ -128,6 +129,11 @@ class Plan:
             # script mode: the twin, a torchrun-style script, unchanged under `ray-app run` (case (a)'s twin run)
             "s": {"ray-app run": Spec("script", w["compute"]), "torchrun": twin(w["compute"]),
                   "ray-app train": kit(w["compute"])},
+            # tracking to a server that is down (refuses), or hangs (accepts, never answers), vs none; workload (a)
+            # (not in the default cases: `--cases t`)
+            "t": {"off": kit(w["compute"] + off),
+                  "refused": kit(w["compute"] + off + (f"tracking.mlflow_uri={down_tracking_server()}",)),
+                  "hung": kit(w["compute"] + off + (f"tracking.mlflow_uri={hung_tracking_server()}",))},
             # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
             "v": {name: kit(startup, variant=name, launch="cold", cpu_sample=True) for name in variants},
         }
@@ -168,6 +174,29 @@ class Plan:
         }
         if torch.cuda.device_count() >= 2:
             self.specs["a"]["dataparallel"] = replace(twin, data_parallel=True)
+
+
+def down_tracking_server() -> str:
+    """A URI on 127.0.0.1 where nothing listens: every request of rank 0's MLflow client is refused."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+_HUNG: list = []  # the listening sockets of hung_tracking_server, open as long as the bench runs
+
+
+def hung_tracking_server() -> str:
+    """A URI on 127.0.0.1 that accepts connections (the kernel's backlog) and never answers: a server that hangs."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    _HUNG.append(sock)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 # ---------------------------------------------------------------- running
@@ -472,6 +501,20 @@ def rows_g(r: Runner) -> list[dict]:
                  cost, "<= 0.01", cost is not None and cost <= 0.01, paired(ons, offs, "steady_sps") + " (on / off)")]
 
 
+def rows_t(r: Runner) -> list[dict]:
+    """Cost of tracking to a server that is down = 1 - the median per-round ratio to the run without tracking
+    (each round ran them back to back): rank 0 only appends to a buffer, so it should be within noise."""
+    offs, out = r.runs("t", "off"), []
+    for name in ("refused", "hung"):
+        ons = r.runs("t", name)
+        q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(ons, offs))
+        cost = 1 - q if q is not None else None
+        out.append(_row("t", f"MLflow server {name} vs no tracking, steady samples/s (ratio = cost)",
+                        med(ons, "steady_sps"), med(offs, "steady_sps"), cost, "<= 0.02",
+                        cost is not None and cost <= 0.02, paired(ons, offs, "steady_sps") + f" ({name} / off)"))
+    return out
+
+
 def rows_gpu_a(r: Runner) -> list[dict]:
     """Case (a) on one GPU: kit vs bare loop, plus model FLOP utilization of each."""
     from bench import flops
@@ -543,7 +586,7 @@ def rows_s(r: Runner) -> list[dict]:
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
-             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "p": rows_p, "s": rows_s, "v": rows_v}
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "p": rows_p, "s": rows_s, "t": rows_t, "v": rows_v}
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)

@@ -482,6 +482,7 @@ class Checkpointer:
         self._snapshot: Snapshot | None = None
         self._pending_blocked: float | None = None
         self._uploaded: threading.Event | None = None
+        self.on_commit = None  # called with (uri, global_step) once a checkpoint is committed (rank 0's trackers)
 
     # ------------------------------------------------------------ cadence
     def step_due(self, pos, batches_per_epoch: int) -> bool:
@@ -550,6 +551,8 @@ class Checkpointer:
                 if snapshot is not None:
                     write_checkpoint_dir(local_dir, snapshot.payload())
                 upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}")
+                if self.on_commit is not None:
+                    self.on_commit(self.storage.uri(self.run, dir_name), metrics["global_step"])
             finally:
                 if uploaded is not None:
                     uploaded.set()

@@ -156,6 +156,19 @@ class MetricsSection:
 
 
 @dataclass
+class TrackingSection:
+    """Rank 0's experiment tracking: an MLflow run and TensorBoard event files (``ray_app.tracking``)."""
+
+    mlflow_uri: str = _f("", "MLflow tracking server (http(s)://host:port); empty: MLFLOW_TRACKING_URI from the "
+                         "environment, and off when neither is set. The token comes from MLFLOW_TRACKING_TOKEN.")
+    experiment: str = _f("ray-app", "MLflow experiment the run is logged in (made when missing).")
+    tensorboard: bool = _f(False, "Rank 0 writes TensorBoard event files into the run's folder "
+                           "({run.storage}/{run.name}/tensorboard; on S3, uploaded with each checkpoint).")
+    buffer: int = _f(100_000, "Metric values held while the MLflow server is unreachable; beyond it the oldest "
+                     "are dropped (and counted).", min=100)
+
+
+@dataclass
 class Config:
     """A whole run config: one section per part of the run."""
 
@@ -168,6 +181,7 @@ class Config:
     scaling: ScalingSection = field(default_factory=ScalingSection)
     failure: FailureSection = field(default_factory=FailureSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 
 from ray_app.config import Config, config_from_dict
 from ray_app.errors import ConfigError, RunStopped, TrainingFailed, UserError
@@ -331,7 +332,8 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     from ray_app.preemption import stop_on_sigterm
 
     results = driver_node_queue()
-    job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd())
+    # tracking_key: the same for every worker-group restart of this launch (its MLflow run, before a checkpoint has its id)
+    job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=uuid.uuid4().hex)
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     try:

@@ -168,6 +168,7 @@ class Trainer:
         self.pos = Position()
         self.resumed_from_step = 0
         self.resumed_checkpoint_unix = 0.0
+        self.resumed_tracking: dict = {}  # the trackers' state in the checkpoint resumed from (ray_app.tracking)
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
         self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
@@ -185,6 +186,7 @@ class Trainer:
         if resumed is not None:
             self.pos, self.resumed_from_step = resumed.pos, resumed.from_step
             self.resumed_checkpoint_unix, self.last_eval = resumed.checkpoint_unix, resumed.last_eval
+            self.resumed_tracking = resumed.tracking
         self._announce()
         self.stats.start_training(self.pos.global_step)
         if self.preemption.enabled:
@@ -222,7 +224,7 @@ class Trainer:
         self.metrics.start(run=c.run.name, model=c.model.name, dataset=c.data.name, task=c.task.name,
                            version=__version__, world_size=self.world_size, resumed_from_step=self.resumed_from_step,
                            global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda",
-                           last_checkpoint_unix=self.resumed_checkpoint_unix)
+                           last_checkpoint_unix=self.resumed_checkpoint_unix, tracking=self.resumed_tracking)
 
     def train_epoch(self, epoch: int) -> None:
         cfg, parts, accum = self.cfg, self.parts, self.cfg.train.grad_accum
@@ -404,7 +406,7 @@ class Trainer:
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
                        "samples_done": self.pos.samples_done,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
-                       "last_eval": self.last_eval},
+                       "last_eval": self.last_eval, "tracking": self.metrics.checkpoint_state()},
                 config=self.cfg.to_dict(), metrics=metrics,
             )
         self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys,

@@ -109,18 +109,21 @@ def enter_project(folder: str) -> None:
         add_project_to_path(folder)
 
 
-def _train(cfg: Config, runtime: RayRuntime, stats) -> tuple[dict, object]:
+def _train(cfg: Config, runtime: RayRuntime, stats, tracking_key: str) -> tuple[dict, object]:
     from ray_app.checkpoint import Checkpointer
     from ray_app.loop import Trainer, build_parts
     from ray_app.metrics import NullMetrics, PrometheusMetrics
+    from ray_app.tracking import rank0_sink
 
     checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
                                 every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
                                 staged=cfg.checkpoint.upload == "async",
                                 warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     metrics = NullMetrics()
-    if runtime.rank == 0 and cfg.metrics.enabled:
-        metrics = PrometheusMetrics(cfg.metrics.port)
+    if runtime.rank == 0:  # Prometheus and the trackers (MLflow, TensorBoard) behind one sink
+        metrics = rank0_sink(cfg, runtime.storage, tracking_key,
+                             prometheus=PrometheusMetrics(cfg.metrics.port) if cfg.metrics.enabled else None)
+        checkpointer.on_commit = getattr(metrics, "on_checkpoint_committed", None)
     parts = build_parts(cfg, runtime)
     stats.mark("model_ready_unix")
     trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats, preemption_agreement(cfg))
@@ -187,7 +190,7 @@ def worker_main(job: dict, results=None) -> None:
         elif job["mode"] == "eval":
             result, trainer = _eval(cfg, runtime, stats, job["checkpoint"])
         else:
-            result, trainer = _train(cfg, runtime, stats)
+            result, trainer = _train(cfg, runtime, stats, job.get("tracking_key", cfg.run.name))
     except Exception as exc:
         if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged)):
             _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart

@@ -46,6 +46,10 @@ if ! $KUBECTL -n "$K8S_NAMESPACE" get secret ray-app-s3 >/dev/null 2>&1; then
   echo "note: no Secret $K8S_NAMESPACE/ray-app-s3; the pods need IRSA, EKS Pod Identity or an EC2" \
        "instance role for S3, the last two with their egress component (docs/kubernetes.md, \"S3 credentials\")"
 fi
+if ! $KUBECTL -n "$K8S_NAMESPACE" get secret ray-app-mlflow >/dev/null 2>&1; then
+  echo "note: no Secret $K8S_NAMESPACE/ray-app-mlflow; MLflow tracking is off unless the config sets" \
+       "tracking.mlflow_uri (docs/kubernetes.md, \"Experiment tracking\")"
+fi
 if $KUBECTL -n "$K8S_NAMESPACE" get rayjob "$RAYJOB" >/dev/null 2>&1; then
   echo "note: RayJob $RAYJOB already exists; a finished job does not start again." \
        "'make undeploy deploy' starts a new attempt (the same run.name resumes from S3)"

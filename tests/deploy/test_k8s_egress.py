@@ -143,10 +143,47 @@ def test_link_local_credential_endpoints_are_closed_by_default(rel):
         assert not egress_allows(objs, port=80, ip=ip), f"{rel}: {ip}:80 open without its component"
 
 
+CREDENTIAL_COMPONENTS = sorted({rel.split("+components/")[1] for rel, _, _ in CREDENTIAL_SOURCES.values() if "+" in rel})
+OTHER_COMPONENTS = {"egress-mlflow": "### Experiment tracking"}  # component -> the docs section that says when
+
+
+def test_every_component_is_a_credential_source_or_documented_elsewhere():
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    for component in sorted(p.parent.name for p in (K8S / "components").glob("*/kustomization.yaml")):
+        if component in CREDENTIAL_COMPONENTS:
+            continue
+        assert component in OTHER_COMPONENTS, f"k8s/components/{component}: neither a credential source nor listed"
+        section = docs.split(OTHER_COMPONENTS[component], 1)[1].split("\n## ", 1)[0]
+        assert f"k8s/components/{component}" in section, f"docs do not say when to use {component}"
+        assert f"../../components/{component}" in (K8S / "overlays" / "gpu" / "kustomization.yaml").read_text()
+
+
+# An in-cluster MLflow server as its component admits it: (namespace, pod labels, port)
+MLFLOW_POD = ("mlflow", {"app.kubernetes.io/name": "mlflow"}, 5000)
+
+
+@pytest.mark.parametrize("rel", DEPLOYABLE)
+def test_an_in_cluster_mlflow_server_is_closed_by_default(rel):
+    namespace, labels, port = MLFLOW_POD
+    assert not egress_allows(render(rel), port=port, namespace=namespace, pod_labels=labels), rel
+
+
+def test_the_mlflow_component_opens_the_tracking_server_and_nothing_else():
+    namespace, labels, port = MLFLOW_POD
+    rel = "overlays/gpu+components/egress-mlflow"
+    objs = render(rel)
+    assert egress_allows(objs, port=port, namespace=namespace, pod_labels=labels)
+    assert not egress_allows(objs, port=port, namespace="default", pod_labels=labels)
+    assert not egress_allows(objs, port=port, ip="10.0.0.5")
+    base_rules = next(o for o in render("overlays/gpu") if o["metadata"]["name"] == "ray-app-egress")["spec"]["egress"]
+    rules = next(o for o in objs if o["metadata"]["name"] == "ray-app-egress")["spec"]["egress"]
+    assert rules[: len(base_rules)] == base_rules and len(rules) == len(base_rules) + 1
+
+
 def test_docs_claim_the_credential_sources_that_work_and_how():
     docs = (REPO / "docs" / "kubernetes.md").read_text()
     section = docs.split("### S3 credentials", 1)[1].split("\n## ", 1)[0]
-    for component in sorted(p.parent.name for p in (K8S / "components").glob("*/kustomization.yaml")):
+    for component in CREDENTIAL_COMPONENTS:
         assert f"k8s/components/{component}" in section, f"docs do not say when to use {component}"
         assert f"../../components/{component}" in (K8S / "overlays" / "gpu" / "kustomization.yaml").read_text()
     assert "GKE Workload Identity" in section and "not a credential source" in section

@@ -18,7 +18,7 @@ from tests.support.k8s import REPO, kubectl, make_env, pod_specs
 
 OTHER_NS = "team-a"
 DEV_IMAGE = "ray-app:dev"
-KIT_SECRETS = {"ray-app-s3", "ray-app-auth-token"}
+KIT_SECRETS = {"ray-app-s3", "ray-app-auth-token", "ray-app-mlflow"}
 
 FAKE_TOOL = r'''#!{python}
 """A stand-in for kind / kubectl / helm / docker: records the call, answers a few queries."""

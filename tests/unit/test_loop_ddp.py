@@ -210,6 +210,9 @@ class RecordingMetrics:
 
     def on_gpu_memory(self, **kw): ...
 
+    def checkpoint_state(self):
+        return {}
+
     def close(self): ...
 
 
@@ -337,6 +340,7 @@ def _protocol_methods(protocol) -> dict:
 @pytest.mark.parametrize("protocol, implementations", [
     (Runtime, ("ray_app.worker:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
     (MetricsSink, ("ray_app.metrics:NullMetrics", "ray_app.metrics:PrometheusMetrics",
+                   "ray_app.tracking:FanOutSink", "ray_app.tracking:MlflowSink", "ray_app.tracking:TensorBoardSink",
                    "tests.unit.test_loop_ddp:RecordingMetrics")),
 ], ids=["Runtime", "MetricsSink"])
 def test_real_objects_and_test_fakes_satisfy_the_loops_protocols(protocol, implementations):
