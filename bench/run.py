@@ -404,6 +404,8 @@ def ready_to_first_step_s(run: dict):
 def rows_default_job(r: Runner) -> list[dict]:
     """The default job (configs/local.yaml) under `ray-app train` and under torchrun: the whole wall clock,
     Ray ready -> first step, and end of training -> exit."""
+    if not {"kit default", "twin default"} <= set(r.plan.specs["c"]):  # the smoke runs no default job
+        return []
     kit, twin = r.runs("c", "kit default"), r.runs("c", "twin default")
     if not kit or not twin:
         return []

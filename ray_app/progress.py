@@ -33,6 +33,8 @@ class MetricsSink(Protocol):
 
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
 
+    def checkpoint_state(self) -> dict: ...  # kept in each checkpoint; given back to start(tracking=...) on resume
+
     def close(self) -> None: ...
 
 

@@ -37,6 +37,7 @@ class Resumed:
     from_step: int = 0
     checkpoint_unix: float = 0.0
     last_eval: dict = field(default_factory=dict)
+    tracking: dict = field(default_factory=dict)  # the trackers' state (ray_app.tracking: the MLflow run id, ...)
 
 
 def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=print) -> Resumed | None:
@@ -77,7 +78,7 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     else:  # a rank the checkpoint's world did not have: a stream of its own, derived, not the run's first
         seed_everything(cfg.run.seed * 1000 + rank + 1_000_003 * pos.global_step)
     say(f"resumed from {loaded.uri} at epoch {pos.epoch} batch {pos.batches_done} step {pos.global_step}")
-    return Resumed(pos, pos.global_step, loaded.created, s.get("last_eval", {}))
+    return Resumed(pos, pos.global_step, loaded.created, s.get("last_eval", {}), s.get("tracking", {}))
 
 
 def reshard(cfg: Config, parts, pos: Position, saved_world: int, world_size: int, say=print) -> None:
