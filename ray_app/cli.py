@@ -1,9 +1,10 @@
 """``ray-app`` command line (also ``python -m ray_app``).
 
 Exit codes: 0 success; 2 bad input (config, arguments, credentials, missing
-bucket, unreadable or tampered checkpoint) with one line naming the key or
-resource and the fix; 1 a failure during training; 143 a training run stopped by
-a SIGTERM to the driver after its checkpoint was committed (130 an interrupt).
+bucket, unreadable or tampered checkpoint, a run held by another driver) with one
+line naming the key or resource and the fix; 1 a failure during training; 143 a
+training run stopped by a SIGTERM to the driver after its checkpoint was committed;
+130 interrupted (SIGINT, Ctrl-C), after the checkpoint at the next step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from ray_app import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 128 + signal.SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -259,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
 
     from ray_app.config import ConfigError
-    from ray_app.errors import RunStopped, StorageError, TrainingFailed, UserError
+    from ray_app.errors import RunHeld, RunInterrupted, RunStopped, StorageError, TrainingFailed, UserError
 
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, StorageError, UserError, *_checkpoint_error()) as exc:
+    except (ConfigError, StorageError, UserError, RunHeld, *_checkpoint_error()) as exc:
         print(f"ray-app: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except TrainingFailed as exc:
@@ -273,9 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as exc:
         print(f"ray-app: {exc}", file=sys.stderr)
         return EXIT_STOPPED
+    except RunInterrupted as exc:
+        print(f"ray-app: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("ray-app: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def run() -> None:

@@ -375,10 +375,13 @@ def raise_worker_failure(error) -> None:
 
 def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
+    from ray_app.lease import held_run
+
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
     storage_path, fs = storage.ray_storage()
-    m = launch(cfg, {"mode": "train"}, cfg.run.name, storage_path, fs)
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s):  # one writer per run, taken before Ray starts
+        m = launch(cfg, {"mode": "train"}, cfg.run.name, storage_path, fs)
     return {
         "run": cfg.run.name,
         "checkpoint": m.get("checkpoint"),
@@ -428,6 +431,7 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
 def run_script(cfg: Config, script: str, args: list[str]) -> dict:
     """``ray-app run``: check the storage, run SCRIPT on the worker group (``ray_app.script``), return the
     summary (``launch`` raises UserError / TrainingFailed for what the workers found)."""
+    from ray_app.lease import held_run
     from ray_app.script import BUILTIN_RUN_NAME, default_run_name
     from ray_app.storage import open_storage, preflight
 
@@ -437,7 +441,8 @@ def run_script(cfg: Config, script: str, args: list[str]) -> dict:
     preflight(storage)
     storage_path, fs = storage.ray_storage()
     t0 = time.perf_counter()
-    m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s):
+        m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
     return {"run": cfg.run.name, "script": script, "world_size": cfg.scaling.num_workers,
             "checkpoint": m.get("checkpoint"), "saves": m.get("saves"), "resumed_from": m.get("resumed_from"),
             "script_seconds": m.get("script_seconds"), "wall_seconds": round(time.perf_counter() - t0, 2),

@@ -27,3 +27,11 @@ class TrainingFailed(RuntimeError):
 
 class RunStopped(RuntimeError):
     """The driver was sent SIGTERM and the workers' checkpoint is committed (exit code 143 = 128 + SIGTERM)."""
+
+
+class RunHeld(RuntimeError):
+    """Another driver holds the run's lease (``ray_app.lease``): one writer per run (exit code 2)."""
+
+
+class RunInterrupted(RuntimeError):
+    """The driver was sent SIGINT (Ctrl-C) and the workers' checkpoint is committed (exit code 130)."""
