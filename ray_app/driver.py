@@ -12,12 +12,13 @@ import functools
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 
 from ray_app.config import Config, ConfigError, config_from_dict
-from ray_app.errors import RunStopped, TrainingFailed, UserError
+from ray_app.errors import RunInterrupted, RunStopped, TrainingFailed, UserError
 from ray_app.worker import worker_main
 
 
@@ -189,11 +190,16 @@ def lean_trainer_class():
 
     class LeanTorchTrainer(TorchTrainer):
         without_autoscaler = False  # set for a Ray the kit started itself: nothing to ask for resources
+        kit_handles_sigint = False  # set where the driver's SIGINT checkpoints first (ray_app.preemption)
 
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             drop = set(LEAN_DROPPED_CALLBACKS) - ({"DatasetsCallback"} if self.datasets else set())
             return [cb for cb in callbacks if type(cb).__name__ not in drop]
+
+        def _register_sigint_handler(self, controller):
+            if not self.kit_handles_sigint:  # else the kit's (preemption.stop_on_sigterm): a checkpoint first
+                super()._register_sigint_handler(controller)
 
         def _initialize_and_run_controller(self, **kwargs):
             kwargs["failure_policy"] = KitFailurePolicy(self.run_config.failure_config)
@@ -333,9 +339,13 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd())
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
+    signals: list[int] = []
     try:
-        # the driver's SIGTERM (`ray job stop`, `docker stop`): the workers checkpoint, then the run stops
-        with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train"):
+        # the driver's SIGTERM (`ray job stop`, `docker stop`) or SIGINT (Ctrl-C): the workers checkpoint,
+        # then the run stops
+        with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train") as signals:
+            trainer.kit_handles_sigint = threading.current_thread() is threading.main_thread() and \
+                cfg.failure.preemption_checkpoint and job["mode"] == "train"
             result = trainer.fit()
         error = result.error
     except TrainingFailedError as exc:
@@ -345,22 +355,33 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
         final = results.get(timeout=30)
     ray.shutdown()  # stop streaming worker logs so the summary really is the last line
     if error is not None:
-        raise_worker_failure(error)
+        raise_worker_failure(error, interrupted=bool(signals) and signals[0] == signal.SIGINT)
     if final is None:
         raise TrainingFailed("the workers finished but rank 0 returned no result")
     return dict(final, ray_ready_unix=ray_ready)
 
 
-def raise_worker_failure(error) -> None:
+def resume_command() -> str:
+    """The command line that resumes this run: the same one (a run resumes from its newest checkpoint)."""
+    import shlex
+
+    return shlex.join(["ray-app", *sys.argv[1:]])
+
+
+def raise_worker_failure(error, interrupted: bool = False) -> None:
     """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1);
-    one line for a run stopped at the driver's SIGTERM (exit 143)."""
+    one line for a run stopped at the driver's SIGTERM (exit 143) or SIGINT (exit 130, with the command
+    that resumes it)."""
     from ray_app.plugins import UserCodeError
     from ray_app.preemption import Stopped
 
     failures = getattr(error, "worker_failures", None) or {}
     by_rank = [failures[r] for r in sorted(failures)]
     if by_rank and all(isinstance(e, Stopped) for e in by_rank):
-        raise RunStopped(str(by_rank[0]).strip().splitlines()[0])
+        stopped = str(by_rank[0]).strip().splitlines()[0]
+        if interrupted:
+            raise RunInterrupted(f"interrupted: {stopped}; resume with: {resume_command()}")
+        raise RunStopped(stopped)
     bad_input = [e for e in by_rank if isinstance(e, ConfigError)]
     if bad_input:
         raise UserError(str(bad_input[0]).strip().splitlines()[0])

@@ -35,3 +35,19 @@ class RunHeld(RuntimeError):
 
 class RunInterrupted(RuntimeError):
     """The driver was sent SIGINT (Ctrl-C) and the workers' checkpoint is committed (exit code 130)."""
+
+
+class DataPipelineError(RuntimeError):
+    """An exception raised in the data pipeline (a data set's ``__getitem__``, the collate function), in
+    the training process or a DataLoader worker: the user's, shown once with the user's frames or the
+    samples' indices and shapes. A DataLoader worker's exception reaches the training process rebuilt from
+    its text, so the whole report travels in the message, after ``MARKER``."""
+
+    MARKER = "[ray-app data pipeline]\n"
+
+    @classmethod
+    def report_of(cls, exc: BaseException) -> str:
+        """The report as written where it was raised, also from the text torch rebuilt it from."""
+        text = str(exc)
+        at = text.rfind(cls.MARKER)
+        return text[at + len(cls.MARKER):] if at >= 0 else text

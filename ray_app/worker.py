@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ray_app.config import Config, ConfigError, config_from_dict
+from ray_app.errors import DataPipelineError
 
 
 class RayRuntime:
@@ -215,6 +216,9 @@ def worker_main(job: dict, results=None) -> None:
         if unused is not None:  # bad input: the same on every restart; one line at the driver, exit 2
             _SHOWN_BY_THE_DRIVER.active = True
             raise unused from None
+        if isinstance(exc, DataPipelineError):  # the user's data: a bug unless the next attempt passes
+            _SHOWN_BY_THE_DRIVER.active = True
+            raise UserCodeError.from_data_pipeline(exc, runtime.rank) from None
         pos = getattr(trainer, "pos", None)
         wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
         if wrapped is None:
