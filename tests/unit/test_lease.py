@@ -80,3 +80,45 @@ def test_the_renewing_thread_keeps_a_long_run_held(tmp_path):
         with pytest.raises(RunHeld):
             RunLease(LocalLeaseFile(tmp_path / "run"), "run", 2.0).acquire()
     assert not (tmp_path / "run" / LEASE_FILE).exists()
+
+
+HOLDER = """
+import sys, time
+from ray_app.lease import held_run
+from ray_app.storage import LocalStorage
+with held_run(LocalStorage(sys.argv[1]), "run", stale_s=float(sys.argv[2])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_left_by_a_sigkilled_driver_is_taken_over_once_stale(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    stale_s = 2.0
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), str(stale_s)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        time.sleep(stale_s)  # renewed meanwhile: still held
+        with pytest.raises(RunHeld, match=f"pid {holder.pid}"):
+            _lease(tmp_path, stale_s=stale_s).acquire()
+        holder.send_signal(signal.SIGKILL)  # no release, no more renewals
+        holder.wait(timeout=10)
+        killed = time.monotonic()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    said = []
+    while True:
+        try:
+            _lease(tmp_path, stale_s=stale_s, said=said).acquire()
+            break
+        except RunHeld:
+            assert time.monotonic() - killed < stale_s + 5
+            time.sleep(0.2)
+    assert len(said) == 1 and "taking over" in said[0] and f"pid {holder.pid}" in said[0]
