@@ -350,6 +350,9 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
         error = result.error
     except TrainingFailedError as exc:
         error = exc
+    except ray.exceptions.RayActorError as exc:  # Ray Train's controller died (its storage set-up gave up)
+        ray.shutdown()
+        raise TrainingFailed(controller_failure(exc)) from None
     final = None
     while error is None and not results.empty():
         final = results.get(timeout=30)
@@ -359,6 +362,14 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     if final is None:
         raise TrainingFailed("the workers finished but rank 0 returned no result")
     return dict(final, ray_ready_unix=ray_ready)
+
+
+def controller_failure(exc: BaseException) -> str:
+    """One line for Ray Train's controller dying: the kit's own error inside it (``StorageUnavailable``:
+    the store did not answer within ``failure.storage_retry_s``), else the error's last line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    kit = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("ray_app.errors.StorageUnavailable: ")]
+    return (kit[-1] if kit else (lines[-1] if lines else type(exc).__name__))[:500]
 
 
 def resume_command() -> str:

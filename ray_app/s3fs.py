@@ -41,10 +41,12 @@ def pyarrow_s3(endpoint: str | None, region: str, budget_s: float = 0.0):
 
 
 class _UploadOnClose(io.RawIOBase):
-    """A small file written in one piece when closed, the whole upload retried (the controller's patience)."""
+    """A small file written in one piece when closed, the whole upload retried (``retry``: the handler's
+    ``patiently`` or ``steadily``)."""
 
-    def __init__(self, handler, path: str, metadata):
+    def __init__(self, handler, path: str, metadata, retry=None, what="Ray Train's controller saving its run state"):
         self.handler, self.path, self.metadata, self.buffer = handler, path, metadata, bytearray()
+        self.retry, self.what = retry or handler.patiently, what
 
     def writable(self) -> bool:
         return True
@@ -63,7 +65,7 @@ class _UploadOnClose(io.RawIOBase):
                 out.write(data)
 
         try:
-            self.handler.patiently("Ray Train's controller saving its run state", upload)
+            self.retry(self.what, upload)
         finally:
             super().close()
 
@@ -166,9 +168,9 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     def open_output_stream(self, path, metadata):
         if path.rsplit("/", 1)[-1] in RUN_STATE_FILES:
             return pyarrow.PythonFile(_UploadOnClose(self, path, metadata), mode="w")
-        if _is_validation_marker(path):
-            return self.steadily("Ray Train's check of the run's folder",
-                                 lambda: self.fs.open_output_stream(path, metadata=metadata))
+        if _is_validation_marker(path):  # written when closed: the whole upload retried
+            return pyarrow.PythonFile(_UploadOnClose(self, path, metadata, self.steadily,
+                                                     "Ray Train's check of the run's folder"), mode="w")
         return self.fs.open_output_stream(path, metadata=metadata)
 
     def open_append_stream(self, path, metadata):

@@ -119,3 +119,35 @@ def test_the_s3_lease_refuses_a_second_driver_and_is_taken_over_once_stale(s3, m
     assert first.renew() is False  # If-Match on the old ETag: refused
     heir.release()
     assert "leases/held/.lease.json" not in s3.snapshot("leases/")
+
+
+MARKER_PUT = rb"PUT /[^ ]*/\.validate_storage_marker"  # Ray Train's controller setting up the run's folder
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("retry_s", [90, 3])
+def test_storage_refused_for_45_s_just_after_the_preflight(s3, retry_s, tmp_path):
+    from urllib.parse import urlparse
+
+    from tests.integration.tcp_proxy import OutageProxy
+
+    url = urlparse(s3.endpoint)
+    proxy = OutageProxy(url.hostname, url.port)
+    try:
+        proxy.arm(MARKER_PUT, 45)
+        run = f"dark-{retry_s}"
+        rc, out, err = run_cli(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
+                                "--set", f"failure.storage_retry_s={retry_s}", "--set", "failure.max_failures=0",
+                                *workload(1)], env=s3.env(endpoint=proxy.endpoint), timeout=400)
+    finally:
+        proxy.close()
+    text = out + err
+    assert proxy.outages and proxy.outages[0][1] - proxy.outages[0][0] == 45, "no outage: " + text[-3000:]
+    assert "Traceback" not in text, text[-6000:]
+    if retry_s > 45:  # waited out; max_failures=0: a restart would have ended the run
+        assert rc == 0, text[-4000:]
+        assert summary_of(out)["global_step"] == STEPS_PER_EPOCH
+    else:
+        assert rc == 1, text[-4000:]
+        failed = [ln for ln in err.splitlines() if ln.startswith("ray-app: training failed:")]
+        assert len(failed) == 1 and "no answer for" in failed[0], text[-4000:]
