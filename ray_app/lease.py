@@ -133,14 +133,17 @@ class S3LeaseObject:
             or status in (409, 412)
 
     def _put(self, body: bytes, **condition) -> bool:
-        try:
-            self._call("writing the run's lease", lambda: self.storage.client.put_object(
-                Bucket=self.bucket, Key=self.key, Body=body, ContentType="application/json", **condition))
-        except Exception as exc:
-            if self._refused(exc):
-                return False
-            raise
-        return True
+        def put() -> bool:  # a refusal (412) is an answer, not an error: never retried, never a StorageError
+            try:
+                self.storage.client.put_object(Bucket=self.bucket, Key=self.key, Body=body,
+                                               ContentType="application/json", **condition)
+            except Exception as exc:
+                if self._refused(exc):
+                    return False
+                raise
+            return True
+
+        return self._call("writing the run's lease", put)
 
     def create(self, body: bytes) -> bool:
         return self._put(body, IfNoneMatch="*")
@@ -148,18 +151,23 @@ class S3LeaseObject:
     def read(self):
         from botocore.exceptions import ClientError
 
+        def get():
+            try:
+                out = self.storage.client.get_object(Bucket=self.bucket, Key=self.key)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    return None
+                raise
+            return out["Body"].read(), out["ETag"]
+
+        found = self._call("reading the run's lease", get)
+        if found is None:
+            return None
+        raw, etag = found
         try:
-            out = self._call("reading the run's lease", lambda: self.storage.client.get_object(
-                Bucket=self.bucket, Key=self.key))
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-        raw = out["Body"].read()
-        try:
-            return json.loads(raw), out["ETag"]
+            return json.loads(raw), etag
         except ValueError:
-            return {"renewed": 0, "since": 0}, out["ETag"]
+            return {"renewed": 0, "since": 0}, etag
 
     def replace(self, body: bytes, version) -> bool:
         return self._put(body, IfMatch=version)

@@ -391,6 +391,7 @@ class GuardedCollate:
 
     def __init__(self, collate):
         self.collate = collate
+        functools.update_wrapper(self, collate)  # its name and doc, as the DataLoader's collate_fn shows them
 
     def __call__(self, samples):
         try:

@@ -86,6 +86,9 @@ def s3(tmp_path_factory):
     server.stop()
 
 
+STALE_S = 12.0
+
+
 @pytest.mark.timeout(120)
 def test_the_s3_lease_refuses_a_second_driver_and_is_taken_over_once_stale(s3, monkeypatch):
     from ray_app.errors import RunHeld
@@ -96,24 +99,24 @@ def test_the_s3_lease_refuses_a_second_driver_and_is_taken_over_once_stale(s3, m
         if key.startswith("AWS_"):
             monkeypatch.setenv(key, value)
     storage = S3Storage(f"s3://{s3.bucket}/leases")
-    first = RunLease(lease_store(storage, "held"), storage.uri("held"), stale_s=4.0)
+    first = RunLease(lease_store(storage, "held"), storage.uri("held"), stale_s=STALE_S)
     first.acquire()  # held, and never renewed: its driver is gone from here on
     held_at = time.monotonic()
 
     rc, out, err = run_cli(["train", "--set", f"run.storage=s3://{s3.bucket}/leases", "--set", "run.name=held",
-                            "--set", "run.lease_stale_s=4", "--set", "data.name=synthetic",
+                            "--set", f"run.lease_stale_s={STALE_S:g}", "--set", "data.name=synthetic",
                             "--set", "data.args.num_samples=64"], env=s3.env(), timeout=60)
-    assert time.monotonic() - held_at < 4, "the refusal came too late to test it against a fresh lease"
+    assert time.monotonic() - held_at < STALE_S, "the refusal came too late to test it against a fresh lease"
     assert rc == 2 and "held by another driver" in err and "\n" not in err.strip(), (rc, out, err)
     import os
 
     assert f"pid {os.getpid()}" in err and "Traceback" not in out + err
 
     with pytest.raises(RunHeld):  # a conditional write (If-None-Match: *) refused with 412
-        RunLease(lease_store(storage, "held"), storage.uri("held"), stale_s=4.0).acquire()
-    time.sleep(max(0.0, 4.5 - (time.monotonic() - held_at)))
+        RunLease(lease_store(storage, "held"), storage.uri("held"), stale_s=STALE_S).acquire()
+    time.sleep(max(0.0, STALE_S + 0.5 - (time.monotonic() - held_at)))
     said = []
-    heir = RunLease(lease_store(storage, "held"), storage.uri("held"), stale_s=4.0, say=said.append)
+    heir = RunLease(lease_store(storage, "held"), storage.uri("held"), stale_s=STALE_S, say=said.append)
     heir.acquire()
     assert len(said) == 1 and "taking over" in said[0]
     assert first.renew() is False  # If-Match on the old ETag: refused
