@@ -1,9 +1,10 @@
 """``ray-app`` command line (also ``python -m ray_app``).
 
 Exit codes: 0 success; 2 bad input (config, arguments, credentials, missing
-bucket, unreadable or tampered checkpoint) with one line naming the key or
-resource and the fix; 1 a failure during training; 143 a training run stopped by
-a SIGTERM to the driver after its checkpoint was committed (130 an interrupt).
+bucket, unreadable or tampered checkpoint, a run held by another driver) with one
+line naming the key or resource and the fix; 1 a failure during training; 143 a
+training run stopped by a SIGTERM to the driver after its checkpoint was committed;
+130 interrupted (SIGINT, Ctrl-C), after the checkpoint at the next step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from ray_app import __version__
-from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_OK, RunStopped, StorageError, TrainingFailed, exit_code
+from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_OK, RunInterrupted, RunStopped, StorageError, TrainingFailed, exit_code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:
         return COMMANDS[args.command](args)
-    except (*BAD_INPUT, TrainingFailed, RunStopped, KeyboardInterrupt) as exc:
+    except (*BAD_INPUT, TrainingFailed, RunStopped, RunInterrupted, KeyboardInterrupt) as exc:
         print(_one_line(exc), file=sys.stderr)
         return exit_code(exc)
 

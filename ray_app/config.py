@@ -39,6 +39,9 @@ class RunSection:
     storage: str = _f("./runs", "Where runs live: a local folder or s3://bucket/prefix.")
     resume_from: str = _f("", "Warm-start from this checkpoint (or run) URI when the run has no checkpoint of its "
                           "own: its whole state if its config matches, else its model weights.")
+    lease_stale_s: float = _f(60.0, "A training driver holds a lease on its run (one writer per run), renewed every "
+                              "quarter of this; a lease not renewed for this many seconds is stale (its driver is "
+                              "gone) and the next driver takes it over.", min=2.0)
 
 
 def _args(help: str):
@@ -93,6 +96,11 @@ class TrainSection:
     amp: bool = _f(False, "bf16 autocast on CUDA (ignored on CPU).")
     log_every_steps: int = _f(20, "Optimizer steps between progress lines and metric updates.", min=1)
     bucket_cap_mb: int = _f(25, "DDP gradient bucket size in MB.", min=1)
+    find_unused_parameters: bool = _f(False, "Passed to DDP: a model with parameters its loss does not use in a step "
+                                      "(branches, frozen heads) needs it; it costs a walk of the autograd graph per "
+                                      "step.")
+    static_graph: bool = _f(False, "Passed to DDP: the set of used parameters is the same every step; with unused "
+                            "parameters it skips find_unused_parameters' per-step graph walk.")
     max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)
     nonfinite: str = _f("stop", "A step whose loss or gradients are not finite (inf/NaN): stop (exit 1 at that step, "
                         "naming the newest good checkpoint), skip (drop that optimizer step on every rank, counted in "

@@ -12,13 +12,14 @@ import functools
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 import uuid
 
 from ray_app.config import Config, config_from_dict
-from ray_app.errors import ConfigError, RunStopped, TrainingFailed, UserError
+from ray_app.errors import ConfigError, RunInterrupted, RunStopped, TrainingFailed, UserError
 from ray_app.worker import worker_main
 
 
@@ -190,11 +191,16 @@ def lean_trainer_class():
 
     class LeanTorchTrainer(TorchTrainer):
         without_autoscaler = False  # set for a Ray the kit started itself: nothing to ask for resources
+        kit_handles_sigint = False  # set where the driver's SIGINT checkpoints first (ray_app.preemption)
 
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
             drop = set(LEAN_DROPPED_CALLBACKS) - ({"DatasetsCallback"} if self.datasets else set())
             return [cb for cb in callbacks if type(cb).__name__ not in drop]
+
+        def _register_sigint_handler(self, controller):
+            if not self.kit_handles_sigint:  # else the kit's (preemption.stop_on_sigterm): a checkpoint first
+                super()._register_sigint_handler(controller)
 
         def _initialize_and_run_controller(self, **kwargs):
             kwargs["failure_policy"] = KitFailurePolicy(self.run_config.failure_config)
@@ -336,33 +342,59 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=uuid.uuid4().hex)
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
+    signals: list[int] = []
     try:
-        # the driver's SIGTERM (`ray job stop`, `docker stop`): the workers checkpoint, then the run stops
-        with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train"):
+        # the driver's SIGTERM (`ray job stop`, `docker stop`) or SIGINT (Ctrl-C): the workers checkpoint,
+        # then the run stops
+        with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train") as signals:
+            trainer.kit_handles_sigint = threading.current_thread() is threading.main_thread() and \
+                cfg.failure.preemption_checkpoint and job["mode"] == "train"
             result = trainer.fit()
         error = result.error
     except TrainingFailedError as exc:
         error = exc
+    except ray.exceptions.RayActorError as exc:  # Ray Train's controller died (its storage set-up gave up)
+        ray.shutdown()
+        raise TrainingFailed(controller_failure(exc)) from None
     final = None
     while error is None and not results.empty():
         final = results.get(timeout=30)
     ray.shutdown()  # stop streaming worker logs so the summary really is the last line
     if error is not None:
-        raise_worker_failure(error)
+        raise_worker_failure(error, interrupted=bool(signals) and signals[0] == signal.SIGINT)
     if final is None:
         raise TrainingFailed("the workers finished but rank 0 returned no result")
     return dict(final, ray_ready_unix=ray_ready)
 
 
-def raise_worker_failure(error) -> None:
+def controller_failure(exc: BaseException) -> str:
+    """One line for Ray Train's controller dying: the kit's own error inside it (``StorageUnavailable``:
+    the store did not answer within ``failure.storage_retry_s``), else the error's last line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    kit = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("ray_app.errors.StorageUnavailable: ")]
+    return (kit[-1] if kit else (lines[-1] if lines else type(exc).__name__))[:500]
+
+
+def resume_command() -> str:
+    """The command line that resumes this run: the same one (a run resumes from its newest checkpoint)."""
+    import shlex
+
+    return shlex.join(["ray-app", *sys.argv[1:]])
+
+
+def raise_worker_failure(error, interrupted: bool = False) -> None:
     """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1);
-    one line for a run stopped at the driver's SIGTERM (exit 143)."""
+    one line for a run stopped at the driver's SIGTERM (exit 143) or SIGINT (exit 130, with the command
+    that resumes it)."""
     from ray_app.errors import Diverged, Stopped, UserCodeError
 
     failures = getattr(error, "worker_failures", None) or {}
     by_rank = [failures[r] for r in sorted(failures)]
     if by_rank and all(isinstance(e, Stopped) for e in by_rank):
-        raise RunStopped(str(by_rank[0]).strip().splitlines()[0])
+        stopped = str(by_rank[0]).strip().splitlines()[0]
+        if interrupted:
+            raise RunInterrupted(f"interrupted: {stopped}; resume with: {resume_command()}")
+        raise RunStopped(stopped)
     diverged = [e for e in by_rank if isinstance(e, Diverged)]
     if diverged:
         raise TrainingFailed(str(diverged[0]).strip().splitlines()[0])
@@ -380,10 +412,13 @@ def raise_worker_failure(error) -> None:
 
 def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
+    from ray_app.lease import held_run
+
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
     storage_path, fs = storage.ray_storage()
-    m = launch(cfg, {"mode": "train"}, cfg.run.name, storage_path, fs)
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s):  # one writer per run, taken before Ray starts
+        m = launch(cfg, {"mode": "train"}, cfg.run.name, storage_path, fs)
     return {
         "run": cfg.run.name,
         "checkpoint": m.get("checkpoint"),
@@ -435,6 +470,7 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
 def run_script(cfg: Config, script: str, args: list[str]) -> dict:
     """``ray-app run``: check the storage, run SCRIPT on the worker group (``ray_app.script``), return the
     summary (``launch`` raises UserError / TrainingFailed for what the workers found)."""
+    from ray_app.lease import held_run
     from ray_app.script import BUILTIN_RUN_NAME, default_run_name
     from ray_app.storage import open_storage, preflight
 
@@ -444,7 +480,8 @@ def run_script(cfg: Config, script: str, args: list[str]) -> dict:
     preflight(storage)
     storage_path, fs = storage.ray_storage()
     t0 = time.perf_counter()
-    m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s):
+        m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
     return {"run": cfg.run.name, "script": script, "world_size": cfg.scaling.num_workers,
             "checkpoint": m.get("checkpoint"), "saves": m.get("saves"), "resumed_from": m.get("resumed_from"),
             "script_seconds": m.get("script_seconds"), "wall_seconds": round(time.perf_counter() - t0, 2),

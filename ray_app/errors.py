@@ -3,9 +3,11 @@
 Callers import their exceptions from here only, so no module imports another just to catch its error.
 ``exit_code`` is the one table the command line uses (``ray_app.cli``):
 
-- 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``UserError``;
+- 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``UserError``,
+  ``RunHeld`` (another driver holds the run's lease);
 - 1, training failed: ``TrainingFailed`` (a bug in the user's code after its retry, every restart spent);
-- 143 (128 + SIGTERM), stopped: ``RunStopped``, after the checkpoint of the driver's SIGTERM.
+- 143 (128 + SIGTERM), stopped: ``RunStopped``, after the checkpoint of the driver's SIGTERM;
+- 130, interrupted: ``RunInterrupted``, after the checkpoint of the driver's SIGINT (Ctrl-C).
 
 Raised in workers and carried to the driver: ``UserCodeError`` (the user's traceback, shown once),
 ``Preempted`` / ``Stopped`` (every rank, after the checkpoint they agreed on), ``Diverged``
@@ -42,6 +44,14 @@ class UserCodeError(RuntimeError):
 
     def __str__(self) -> str:
         return self.summary
+
+    @classmethod
+    def from_data_pipeline(cls, exc: BaseException, rank: int) -> UserCodeError:
+        """A ``DataPipelineError`` (raised here or in a DataLoader worker): its report, shown as written."""
+        report = DataPipelineError.report_of(exc).strip()
+        lines = report.splitlines() or ["the data pipeline failed"]
+        summary = f"in the data pipeline: {lines[-1]}"[:500]
+        return cls(summary, report + "\n", f"data|{report}", rank)
 
     @classmethod
     def from_exception(cls, exc: BaseException, rank: int, step: int, roots: tuple[str, ...]) -> UserCodeError | None:
@@ -99,6 +109,30 @@ class RunStopped(RuntimeError):
     """The driver was sent SIGTERM and the workers' checkpoint is committed (exit code 143 = 128 + SIGTERM)."""
 
 
+class RunHeld(RuntimeError):
+    """Another driver holds the run's lease (``ray_app.lease``): one writer per run (exit code 2)."""
+
+
+class RunInterrupted(RuntimeError):
+    """The driver was sent SIGINT (Ctrl-C) and the workers' checkpoint is committed (exit code 130)."""
+
+
+class DataPipelineError(RuntimeError):
+    """An exception raised in the data pipeline (a data set's ``__getitem__``, the collate function), in
+    the training process or a DataLoader worker: the user's, shown once with the user's frames or the
+    samples' indices and shapes. A DataLoader worker's exception reaches the training process rebuilt from
+    its text, so the whole report travels in the message, after ``MARKER``."""
+
+    MARKER = "[ray-app data pipeline]\n"
+
+    @classmethod
+    def report_of(cls, exc: BaseException) -> str:
+        """The report as written where it was raised, also from the text torch rebuilt it from."""
+        text = str(exc)
+        at = text.rfind(cls.MARKER)
+        return text[at + len(cls.MARKER):] if at >= 0 else text
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted (missing, incomplete, tampered)."""
 
@@ -126,7 +160,7 @@ class Stopped(RuntimeError):
 
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 128 + signal.SIGTERM, 130
-BAD_INPUT = (ConfigError, StorageError, CheckpointError, UserError)  # one line naming the key or resource
+BAD_INPUT = (ConfigError, StorageError, CheckpointError, UserError, RunHeld)  # one line naming the key or resource
 
 
 def exit_code(exc: BaseException) -> int | None:
@@ -137,6 +171,6 @@ def exit_code(exc: BaseException) -> int | None:
         return EXIT_FAILED
     if isinstance(exc, RunStopped):
         return EXIT_STOPPED
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, (RunInterrupted, KeyboardInterrupt)):
         return EXIT_INTERRUPTED
     return None

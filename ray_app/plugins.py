@@ -29,10 +29,12 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 from ray_app.config import Config
-from ray_app.errors import ConfigError, PluginError
+from ray_app.errors import ConfigError, DataPipelineError, PluginError
 
 KINDS = ("data", "model", "task")
 
@@ -284,7 +286,88 @@ def build_data(cfg: Config):
     if not isinstance(info, dict):
         raise PluginError(f"config key data.name: {name} returned info of type {type(info).__name__}; "
                           "the third item must be a dict (e.g. {'num_classes': 10})")
-    return train, evaluation, info
+    return guarded_data(train, evaluation, info)
+
+
+def guarded_data(train, evaluation, info: dict):
+    """The data sets and the collate function, each raising ``DataPipelineError`` for an exception of
+    the user's data pipeline (``__getitem__``, collate), with the user's frames or the samples' indices
+    and shapes."""
+    from torch.utils.data import default_collate
+
+    info = dict(info)
+    info["collate_fn"] = GuardedCollate(info.get("collate_fn") or default_collate)
+    return GuardedDataset(train), GuardedDataset(evaluation), info
+
+
+_FETCHED = threading.local()  # the indices of the batch this thread fetched last, for the collate's report
+
+
+class GuardedDataset:
+    """A map-style data set as given, whose exceptions say which sample and where in the user's code."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):  # the data set's own attributes (targets, classes, ...)
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            raise DataPipelineError(DataPipelineError.MARKER + _item_report(exc, index)) from None
+
+    def __getitems__(self, indices):
+        _FETCHED.indices = list(indices)
+        return [self[i] for i in indices]
+
+
+class GuardedCollate:
+    """The collate function as given; a failure names the batch's sample indices and shapes."""
+
+    def __init__(self, collate):
+        self.collate = collate
+        functools.update_wrapper(self, collate)  # its name and doc, as the DataLoader's collate_fn shows them
+
+    def __call__(self, samples):
+        try:
+            return self.collate(samples)
+        except Exception as exc:
+            indices = getattr(_FETCHED, "indices", None) or list(range(len(samples)))
+            shapes = ", ".join(f"sample {i}: {_shape(s)}" for i, s in list(zip(indices, samples))[:16])
+            more = f" (+{len(samples) - 16} more)" if len(samples) > 16 else ""
+            summary = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [type(exc).__name__])[0][:300]
+            report = (f"collating samples {_span(indices)} into a batch failed: {shapes}{more}\n"
+                      f"{type(exc).__name__}: the samples of a batch must have equal shapes "
+                      f"(or give data.name's info a collate_fn); {summary}")
+            raise DataPipelineError(DataPipelineError.MARKER + report) from None
+
+
+def _item_report(exc: BaseException, index) -> str:
+    """The traceback of an exception in ``dataset[index]``, from the data set's own frame down."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is GuardedDataset.__getitem__
+    return (f"sample {index}: Traceback (most recent call last):\n" + "".join(traceback.format_list(frames))
+            + "".join(traceback.format_exception_only(type(exc), exc))).rstrip("\n")
+
+
+def _span(indices: list) -> str:
+    return f"[{', '.join(map(str, indices[:16]))}{', ...' if len(indices) > 16 else ''}]"
+
+
+def _shape(sample) -> str:
+    if hasattr(sample, "shape"):
+        return str(tuple(sample.shape))
+    if isinstance(sample, dict):
+        return "{" + ", ".join(f"{k}: {_shape(v)}" for k, v in sample.items()) + "}"
+    if isinstance(sample, (tuple, list)):
+        return "(" + ", ".join(_shape(v) for v in sample) + ")"
+    return type(sample).__name__
 
 
 def _kind(obj) -> str:

@@ -4,7 +4,7 @@ A notice is a SIGTERM to a worker's process (a node drain, ``kill``, a container
 grace period) or Ray's drain notice for the worker's node (``ray drain-node``, the autoscaler, a
 ``ray start --block`` node sent SIGTERM, as ``docker stop`` and a pod's deletion do), which
 ``watch`` polls every 2 s. Either sets this process's ``NOTICE`` (kind ``PREEMPT``). The driver's
-own SIGTERM (``ray job stop``, ``docker stop`` of the driver's container) is a request to stop
+own SIGTERM (``ray job stop``, ``docker stop`` of the driver's container) or SIGINT (Ctrl-C) is a request to stop
 (kind ``STOP``): ``stop_on_sigterm`` writes it into Ray's key-value store under the job's id, and
 ``watch`` reads that key every 0.5 s. The training loop's ``Agreement`` carries one flag per optimizer step on an all-reduce
 (MAX) that is started after a step and read after the next, so it overlaps a whole step of work and
@@ -101,40 +101,47 @@ def watch(interval_s: float = 0.5, drain_every: int = 4) -> None:
 
 @contextlib.contextmanager
 def stop_on_sigterm(enabled: bool = True):
-    """Driver side, around the trainer's ``fit``: the first SIGTERM asks the workers (through Ray's
-    key-value store) to checkpoint at the next step boundary and stop; a second one does what SIGTERM
-    did before (the CLI's: interrupt)."""
+    """Driver side, around the trainer's ``fit``: the first SIGTERM or SIGINT (Ctrl-C) asks the workers
+    (through Ray's key-value store) to checkpoint at the next step boundary and stop; a second one does
+    what that signal did before (the CLI's: interrupt). Yields the list of signals received (the first
+    one says how the run ended: 143 for SIGTERM, 130 for SIGINT)."""
+    received: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
     import ray
     from ray.experimental import internal_kv
 
     key = stop_key(ray.get_runtime_context().get_job_id())
-    asked = []
+    previous = {}
 
-    def on_sigterm(signum, frame):
-        if asked:
-            signal.signal(signal.SIGTERM, previous)
-            signal.raise_signal(signal.SIGTERM)
+    def give_up(signum):
+        signal.signal(signum, previous[signum])
+        signal.raise_signal(signum)
+
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if received:
+            give_up(signum)
             return
-        asked.append(time.monotonic())
+        received.append(signum)
         try:
             internal_kv._internal_kv_put(key, b"1", overwrite=True)
         except Exception as exc:  # Ray is going away: nothing left to ask
-            print(f"ray-app: SIGTERM: could not ask the workers to stop ({exc})", file=sys.stderr, flush=True)
-            signal.signal(signal.SIGTERM, previous)
-            signal.raise_signal(signal.SIGTERM)
+            print(f"ray-app: {name}: could not ask the workers to stop ({exc})", file=sys.stderr, flush=True)
+            give_up(signum)
             return
-        print("ray-app: SIGTERM: the workers checkpoint at the next step boundary, then the run stops "
-              "(a second SIGTERM stops it now)", file=sys.stderr, flush=True)
+        print(f"ray-app: {name}: the workers checkpoint at the next step boundary, then the run stops "
+              f"(a second {name} stops it now)", file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, on_signal)
     try:
-        yield
+        yield received
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if asked:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
             with contextlib.suppress(Exception):
                 internal_kv._internal_kv_del(key)
 

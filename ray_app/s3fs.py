@@ -19,6 +19,10 @@ import pyarrow.fs
 from ray_app.retry import Retrying, sdk_attempts_for
 
 RUN_STATE_FILES = ("checkpoint_manager_snapshot.json",)  # what Ray Train's controller writes itself
+# Ray Train's StorageContext, built by the controller at the run's start (and by each worker), creates the
+# run's folder and writes and looks up this marker: an error there ends the whole run, so these calls wait
+# an outage out for failure.storage_retry_s, as the workers' own calls do
+VALIDATION_MARKER = ".validate_storage_marker"
 CONTROLLER_PATIENCE, CONTROLLER_MIN_S = 10, 300.0
 
 
@@ -37,10 +41,12 @@ def pyarrow_s3(endpoint: str | None, region: str, budget_s: float = 0.0):
 
 
 class _UploadOnClose(io.RawIOBase):
-    """A small file written in one piece when closed, the whole upload retried (the controller's patience)."""
+    """A small file written in one piece when closed, the whole upload retried (``retry``: the handler's
+    ``patiently`` or ``steadily``)."""
 
-    def __init__(self, handler, path: str, metadata):
+    def __init__(self, handler, path: str, metadata, retry=None, what="Ray Train's controller saving its run state"):
         self.handler, self.path, self.metadata, self.buffer = handler, path, metadata, bytearray()
+        self.retry, self.what = retry or handler.patiently, what
 
     def writable(self) -> bool:
         return True
@@ -59,7 +65,7 @@ class _UploadOnClose(io.RawIOBase):
                 out.write(data)
 
         try:
-            self.handler.patiently("Ray Train's controller saving its run state", upload)
+            self.retry(self.what, upload)
         finally:
             super().close()
 
@@ -71,7 +77,7 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
 
     def __init__(self, kwargs: dict, attempts: int, budget_s: float = 0.0):
         self.kwargs, self.attempts, self.budget_s = dict(kwargs), attempts, budget_s
-        self._fs = self._patient = None
+        self._fs = self._patient = self._steady = None
 
     def __reduce__(self):
         return RetryingS3Handler, (self.kwargs, self.attempts, self.budget_s)
@@ -89,6 +95,18 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
                                      budget=f"{CONTROLLER_PATIENCE} x failure.storage_retry_s, for Ray Train's controller",
                                      then="the run ends; the same run again resumes from the newest committed checkpoint")
         return self._patient(what, fn)
+
+    def steadily(self, what: str, fn):
+        """``fn()`` retried for ``failure.storage_retry_s``, as a worker's storage calls are."""
+        if self._steady is None:
+            self._steady = Retrying(self.budget_s, self._where(),
+                                    then="the run ends; the same command again resumes from the newest "
+                                         "committed checkpoint")
+        return self._steady(what, fn)
+
+    def _where(self) -> str:
+        endpoint = self.kwargs.get("endpoint_override")
+        return f"s3 at {self.kwargs.get('scheme', 'https')}://{endpoint}" if endpoint else "s3"
 
     @property
     def fs(self):
@@ -113,13 +131,15 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     def get_file_info(self, paths):
         if any(_is_checkpoint_dir(p) for p in paths):  # the controller's look-up before a deletion, too
             return self.patiently("a look-up of a checkpoint", lambda: self.fs.get_file_info(paths))
+        if any(_is_validation_marker(p) for p in paths):
+            return self.steadily("Ray Train's check of the run's folder", lambda: self.fs.get_file_info(paths))
         return self.fs.get_file_info(paths)
 
     def get_file_info_selector(self, selector):
         return self.fs.get_file_info(selector)
 
     def create_dir(self, path, recursive):
-        self.fs.create_dir(path, recursive=recursive)
+        self.steadily(f"creating {path}", lambda: self.fs.create_dir(path, recursive=recursive))
 
     def delete_dir(self, path):
         self.fs.delete_dir(path)
@@ -148,10 +168,17 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     def open_output_stream(self, path, metadata):
         if path.rsplit("/", 1)[-1] in RUN_STATE_FILES:
             return pyarrow.PythonFile(_UploadOnClose(self, path, metadata), mode="w")
+        if _is_validation_marker(path):  # written when closed: the whole upload retried
+            return pyarrow.PythonFile(_UploadOnClose(self, path, metadata, self.steadily,
+                                                     "Ray Train's check of the run's folder"), mode="w")
         return self.fs.open_output_stream(path, metadata=metadata)
 
     def open_append_stream(self, path, metadata):
         return self.fs.open_append_stream(path, metadata=metadata)
+
+
+def _is_validation_marker(path: str) -> bool:
+    return path.rstrip("/").rsplit("/", 1)[-1] == VALIDATION_MARKER
 
 
 def _is_checkpoint_dir(path: str) -> bool:

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 from ray_app.config import Config, config_from_dict
-from ray_app.errors import ConfigError
+from ray_app.errors import ConfigError, DataPipelineError
 
 
 class RayRuntime:
     """Topology and Ray Train calls, read in one place."""
 
-    def __init__(self, storage, run: str, upload_mode: str):
+    def __init__(self, storage, run: str, upload_mode: str, ddp_options: dict | None = None):
         import ray.train
         import ray.train.torch
 
@@ -30,12 +30,13 @@ class RayRuntime:
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         self.storage, self.run = storage, run
+        self.ddp_options = dict(ddp_options or {})  # train.find_unused_parameters, train.static_graph
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"
                             else ray.train.CheckpointUploadMode.SYNC)
 
     def prepare_model(self, model, bucket_cap_mb: int = 25):
         return self._torch.prepare_model(model, parallel_strategy_kwargs={
-            "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True})
+            "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True, **self.ddp_options})
 
     def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None:
         """Every rank calls this the same number of times (ray.train.report is a barrier). A checkpoint's
@@ -56,6 +57,26 @@ class RayRuntime:
                            checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=True)
         if self.upload_mode == self._train.CheckpointUploadMode.SYNC:
             cleanup_local(local_dir)
+
+
+def ddp_options(cfg: Config) -> dict:
+    """DDP's keyword arguments from the config (``train.find_unused_parameters``, ``train.static_graph``)."""
+    return {"find_unused_parameters": cfg.train.find_unused_parameters, "static_graph": cfg.train.static_graph}
+
+
+UNUSED_PARAMETERS_HINT = ("DDP found parameters that received no gradient (the loss does not use them); "
+                          "set train.find_unused_parameters=true (and train.static_graph=true if the same "
+                          "parameters are unused every step)")
+
+
+def unused_parameters_error(exc: BaseException) -> ConfigError | None:
+    """DDP's reduction error ('Expected to have finished reduction in the prior iteration ...') as one
+    line naming the key that fixes it; None for any other exception."""
+    text = str(exc)
+    if "Expected to have finished reduction in the prior iteration" in text or \
+            "find_unused_parameters=True" in text and "reduction" in text:
+        return ConfigError(UNUSED_PARAMETERS_HINT)
+    return None
 
 
 def _quiet_report_log() -> None:
@@ -180,7 +201,7 @@ def worker_main(job: dict, results=None) -> None:
     enter_project(job.get("project_dir", ""))
     cfg = config_from_dict(job["config"])
     storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)
-    runtime = RayRuntime(storage, cfg.run.name, cfg.checkpoint.upload)
+    runtime = RayRuntime(storage, cfg.run.name, cfg.checkpoint.upload, ddp_options(cfg))
     trainer = None
     try:
         if job["mode"] == "script":
@@ -195,6 +216,13 @@ def worker_main(job: dict, results=None) -> None:
         if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged)):
             _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
             raise
+        unused = unused_parameters_error(exc)
+        if unused is not None:  # bad input: the same on every restart; one line at the driver, exit 2
+            _SHOWN_BY_THE_DRIVER.active = True
+            raise unused from None
+        if isinstance(exc, DataPipelineError):  # the user's data: a bug unless the next attempt passes
+            _SHOWN_BY_THE_DRIVER.active = True
+            raise UserCodeError.from_data_pipeline(exc, runtime.rank) from None
         pos = getattr(trainer, "pos", None)
         wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
         if wrapped is None:

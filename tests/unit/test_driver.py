@@ -312,7 +312,7 @@ def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
 class FakeRayRuntime:
     """What worker_main needs of RayRuntime, without Ray (rank 1 of 2 on the CPU)."""
 
-    def __init__(self, storage, run, upload_mode):
+    def __init__(self, storage, run, upload_mode, ddp_options=None):
         self.storage, self.run = storage, run
         self.rank, self.world_size = 1, 2
         self.device = torch.device("cpu")

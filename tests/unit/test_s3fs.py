@@ -76,3 +76,33 @@ def test_the_patience_is_pickled_with_the_handler():
 
     h = pickle.loads(pickle.dumps(s3fs.RetryingS3Handler({"region": "r"}, 5, 30.0)))
     assert h.budget_s == 30.0 and h.controller_budget_s == max(10 * 30.0, s3fs.CONTROLLER_MIN_S)
+
+
+class FlakyDirs(Flaky):
+    def create_dir(self, path, recursive=True):
+        self._maybe_fail()
+        return self.local.create_dir(path, recursive=recursive)
+
+
+@pytest.mark.timeout(30)
+def test_ray_trains_storage_context_set_up_waits_an_outage_out_within_the_budget(tmp_path, capsys):
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    flaky = FlakyDirs(tmp_path, failures=2)
+    handler = handler_on(flaky)
+    handler.budget_s = 5.0
+    fs = pyarrow.fs.PyFileSystem(handler)
+    StorageContext(storage_path="runs", experiment_dir_name="run", storage_filesystem=fs)  # as the controller does
+    assert (tmp_path / "runs" / "run" / ".validate_storage_marker").exists()
+    err = capsys.readouterr().err
+    assert "unreachable (OSError) during creating runs/run" in err and "answers again" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(30)
+def test_past_the_budget_the_set_up_ends_with_storage_unavailable(tmp_path):
+    from ray_app.errors import StorageUnavailable
+
+    fs = pyarrow.fs.PyFileSystem(handler_on(FlakyDirs(tmp_path, failures=10**6)))
+    with pytest.raises(StorageUnavailable, match="failure.storage_retry_s|no answer"):
+        fs.create_dir("runs/run")

@@ -230,7 +230,7 @@ def test_the_user_frames_are_the_scripts_folder_unless_it_holds_the_environment(
 class FakeRuntime:
     """What run_in_worker needs of worker.RayRuntime: rank 0 of 1, reports recorded."""
 
-    def __init__(self, storage, run, upload_mode):
+    def __init__(self, storage, run, upload_mode, ddp_options=None):
         self.storage, self.run, self.rank, self.world_size = storage, run, 0, 1
         self.reports = []
 

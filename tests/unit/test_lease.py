@@ -1,0 +1,124 @@
+"""One writer per run: the driver's lease on a local folder, with real files and a real clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from ray_app.errors import RunHeld
+from ray_app.lease import LEASE_FILE, LocalLeaseFile, RunLease, held_run
+from ray_app.storage import LocalStorage
+
+
+def _lease(tmp_path, stale_s=30.0, said=None, clock=time.time):
+    return RunLease(LocalLeaseFile(tmp_path / "run"), str(tmp_path / "run"), stale_s,
+                    say=(said.append if said is not None else lambda m: None), clock=clock)
+
+
+@pytest.mark.timeout(30)
+def test_a_second_driver_is_refused_naming_the_holder_and_since_when(tmp_path):
+    first = _lease(tmp_path)
+    first.acquire()
+    with pytest.raises(RunHeld) as refused:
+        _lease(tmp_path).acquire()
+    line = str(refused.value)
+    assert "\n" not in line
+    assert f"pid {os.getpid()}" in line and "since 20" in line and "run.lease_stale_s" in line
+    first.release()
+    assert not (tmp_path / "run" / LEASE_FILE).exists()
+    _lease(tmp_path).acquire()  # released: the next driver takes it
+
+
+@pytest.mark.timeout(30)
+def test_of_many_drivers_starting_at_once_exactly_one_holds_the_run(tmp_path):
+    won, refused = [], []
+    barrier = threading.Barrier(8)
+
+    def start():
+        lease = _lease(tmp_path)
+        barrier.wait()
+        try:
+            lease.acquire()
+            won.append(lease)
+        except RunHeld:
+            refused.append(lease)
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(refused) == 7
+
+
+@pytest.mark.timeout(30)
+def test_a_lease_not_renewed_for_the_stale_time_is_taken_over_with_one_line(tmp_path):
+    now = [1000.0]
+    gone = _lease(tmp_path, stale_s=10, clock=lambda: now[0])
+    gone.acquire()  # then its driver is SIGKILLed: no release, no renewal
+    now[0] += 9
+    with pytest.raises(RunHeld):
+        _lease(tmp_path, stale_s=10, clock=lambda: now[0]).acquire()
+    now[0] += 2
+    said = []
+    heir = _lease(tmp_path, stale_s=10, said=said, clock=lambda: now[0])
+    heir.acquire()
+    assert len(said) == 1 and "taking over" in said[0] and "not renewed for 11 s" in said[0]
+    assert json.loads((tmp_path / "run" / LEASE_FILE).read_bytes())["token"] == heir.token
+    assert gone.renew() is False  # the old holder, were it alive, finds it is no longer its lease
+
+
+@pytest.mark.timeout(30)
+def test_the_renewing_thread_keeps_a_long_run_held(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    with held_run(storage, "run", stale_s=2.0):
+        time.sleep(3.0)  # longer than the stale time: only renewals keep it fresh
+        with pytest.raises(RunHeld):
+            RunLease(LocalLeaseFile(tmp_path / "run"), "run", 2.0).acquire()
+    assert not (tmp_path / "run" / LEASE_FILE).exists()
+
+
+HOLDER = """
+import sys, time
+from ray_app.lease import held_run
+from ray_app.storage import LocalStorage
+with held_run(LocalStorage(sys.argv[1]), "run", stale_s=float(sys.argv[2])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_left_by_a_sigkilled_driver_is_taken_over_once_stale(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    stale_s = 2.0
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), str(stale_s)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        time.sleep(stale_s)  # renewed meanwhile: still held
+        with pytest.raises(RunHeld, match=f"pid {holder.pid}"):
+            _lease(tmp_path, stale_s=stale_s).acquire()
+        holder.send_signal(signal.SIGKILL)  # no release, no more renewals
+        holder.wait(timeout=10)
+        killed = time.monotonic()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    said = []
+    while True:
+        try:
+            _lease(tmp_path, stale_s=stale_s, said=said).acquire()
+            break
+        except RunHeld:
+            assert time.monotonic() - killed < stale_s + 5
+            time.sleep(0.2)
+    assert len(said) == 1 and "taking over" in said[0] and f"pid {holder.pid}" in said[0]

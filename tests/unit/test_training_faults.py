@@ -1,0 +1,137 @@
+"""Faults of the user's data and model, seen where they happen: real DataLoaders (with and without loader
+worker processes), a real gloo group around DDP, the kit's failure policy."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ray_app.config import load_config
+from ray_app.errors import ConfigError, DataPipelineError, UserCodeError
+from ray_app.plugins import guarded_data
+from ray_app.worker import ddp_options, unused_parameters_error
+
+
+class RaggedSamples(torch.utils.data.Dataset):
+    """Sample 5 is one element longer than the others: the default collate cannot stack them."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.zeros(4 if i != 5 else 5), i % 2
+
+
+class BrokenSample(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 6:
+            return self.decode(i)
+        return torch.zeros(4), 0
+
+    def decode(self, i):
+        raise ValueError(f"cannot decode record {i}")
+
+
+def _first_failure(dataset, workers: int) -> UserCodeError:
+    train, _, info = guarded_data(dataset, dataset, {})
+    loader = DataLoader(train, batch_size=4, num_workers=workers, collate_fn=info["collate_fn"])
+    with pytest.raises(DataPipelineError) as raised:
+        for _ in loader:
+            pass
+    return UserCodeError.from_data_pipeline(raised.value, rank=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ragged_samples_are_reported_with_their_indices_and_shapes(workers):
+    err = _first_failure(RaggedSamples(), workers)
+    text = err.traceback_text
+    assert "collating samples [4, 5, 6, 7]" in text and "sample 5: ((5,), int)" in text and "sample 4: ((4,), int)" in text
+    assert "DataLoader worker" not in text and "torch/utils/data" not in text  # no torch plumbing shown
+    assert err.summary.startswith("in the data pipeline:") and "\n" not in err.summary
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_exception_in_getitem_shows_the_users_frames_once(workers):
+    err = _first_failure(BrokenSample(), workers)
+    text = err.traceback_text
+    assert text.count("Traceback (most recent call last)") == 1
+    assert "sample 6" in text and "in decode" in text and "ValueError: cannot decode record 6" in text
+    assert "dataloader.py" not in text and "worker.py" not in text
+
+
+@pytest.mark.timeout(60)
+def test_a_data_pipeline_error_is_retried_once_then_ends_the_run():
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_app.failure_policy import KitFailurePolicy
+
+    policy = KitFailurePolicy(FailureConfig(max_failures=5))
+    attempts = [{r: _first_failure(RaggedSamples(), 0) for r in range(2)} for _ in range(3)]
+    decisions = [policy.make_decision(WorkerGroupError("x", a)) for a in attempts[:2]]
+    assert decisions == [FailureDecision.RETRY, FailureDecision.RAISE]  # two attempts, not max_failures + 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TwoHeads(nn.Module):
+    """The loss uses one head: the other's parameters never receive a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _two_steps(options: dict) -> None:
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TwoHeads(), **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+
+
+@pytest.fixture
+def gloo_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_unused_parameters_train_with_the_key_and_name_it_without(gloo_group, tmp_path):
+    cfg = load_config(None, ["train.find_unused_parameters=true"])
+    _two_steps(ddp_options(cfg))  # trains
+
+    with pytest.raises(RuntimeError) as ddp_error:
+        _two_steps(ddp_options(load_config(None, [])))
+    line = unused_parameters_error(ddp_error.value)
+    assert isinstance(line, ConfigError)
+    assert "train.find_unused_parameters=true" in str(line) and "\n" not in str(line)
+    assert unused_parameters_error(RuntimeError("something else")) is None
+
+
+@pytest.mark.timeout(60)
+def test_static_graph_with_unused_parameters_trains(gloo_group):
+    _two_steps(ddp_options(load_config(None, ["train.static_graph=true"])))
