@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # not, once evaluation got cheaper: a job ended before its stop); every job trains as many, so the
 # faulted ones can be compared with the uninterrupted one
 EPOCHS = 24
-ELASTIC_EPOCHS = 40      # the elastic job: long enough for a loss, a restart at 2, a join and a restart at 3
+# the elastic job: long enough for a loss, a restart at 2 (Ray takes ~85 s to declare the node dead, training
+# waits), a join (~15 s for the container's `ray start`) and a restart at 3 within the resize interval; at 40
+# epochs (~1 s each at 2 workers) one run ended 23 s after the new node joined, before it grew back
+ELASTIC_EPOCHS = 80
 ELASTIC_RESIZE_S = 5
 ELASTIC_ACCURACY = 0.9   # digits, 40 epochs: an uninterrupted run ends near 0.97
 
