@@ -42,6 +42,23 @@ def holder_record(token: str, now: float) -> dict:
     return record
 
 
+def holder_gone(record: dict) -> bool:
+    """Whether the lease's driver ran on this host and its process no longer exists (a driver killed here,
+    and the run submitted again at once): such a lease is taken over without waiting for it to go stale.
+    A driver on another host is only known gone by its lease not being renewed."""
+    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return False
+    if record["pid"] == os.getpid():
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's process, say)
+        return False
+    return False
+
+
 def describe(record: dict, now: float) -> str:
     who = f"{record.get('user', '?')}@{record.get('host', '?')} pid {record.get('pid', '?')}"
     if record.get("ray_job"):
@@ -217,7 +234,8 @@ class RunLease:
                 continue
             held, version = found
             idle = self.clock() - float(held.get("renewed", 0))
-            if idle <= self.stale_s:
+            gone = holder_gone(held)
+            if idle <= self.stale_s and not gone:
                 raise RunHeld(f"run {self.where} is held by another driver: {describe(held, self.clock())}; "
                               f"wait for it to end or use another run.name (a driver that is gone loses the "
                               f"lease {self.stale_s:g} s after its last renewal: run.lease_stale_s)")
@@ -225,8 +243,9 @@ class RunLease:
                 self.version = self._current_version()
                 if self.version is None:
                     continue
-                self.say(f"ray-app: taking over run {self.where} from {describe(held, self.clock())}: not "
-                         f"renewed for {idle:.0f} s (> run.lease_stale_s = {self.stale_s:g})")
+                why = ("its process is gone from this host" if gone else
+                       f"not renewed for {idle:.0f} s (> run.lease_stale_s = {self.stale_s:g})")
+                self.say(f"ray-app: taking over run {self.where} from {describe(held, self.clock())}: {why}")
                 return
         raise RunHeld(f"run {self.where}: another driver is taking its lease at the same time; try again")
 

@@ -122,3 +122,26 @@ def test_a_lease_left_by_a_sigkilled_driver_is_taken_over_once_stale(tmp_path):
             assert time.monotonic() - killed < stale_s + 5
             time.sleep(0.2)
     assert len(said) == 1 and "taking over" in said[0] and f"pid {holder.pid}" in said[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_lease_whose_driver_is_gone_from_this_host_is_taken_over_at_once(tmp_path):
+    """The whole job killed on this machine and submitted again at once (a lost local run): the lease's
+    process no longer exists here, so it does not lock the run for run.lease_stale_s."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    holder = _lease(tmp_path, stale_s=3600)
+    holder.acquire()
+    path = tmp_path / "run" / LEASE_FILE
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(record, pid=gone.pid, token="a-driver-killed-here")))
+    said = []
+    _lease(tmp_path, stale_s=3600, said=said).acquire()  # not stale by the clock: gone by its pid
+    assert len(said) == 1 and f"pid {gone.pid}" in said[0] and "gone from this host" in said[0]
+    alive = dict(record, pid=os.getppid(), token="a-driver-running-here")  # a live process on this host
+    path.write_text(json.dumps(alive))
+    with pytest.raises(RunHeld):
+        _lease(tmp_path, stale_s=3600).acquire()
