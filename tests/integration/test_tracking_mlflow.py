@@ -171,9 +171,14 @@ def test_a_tracked_run_survives_a_late_server_a_killed_rank0_and_an_outage_with_
         exp = client.get_experiment_by_name("integration")
         (mrun,) = client.search_runs([exp.experiment_id])  # one MLflow run through the restart
         rid = mrun.info.run_id
+        # a step between the last checkpoint and the kill is printed twice (the first attempt, then the replay
+        # after the resume): its loss and lr are the same, its samples/s is each attempt's own, and MLflow
+        # holds the one of whichever attempt got it there first
         printed: dict[int, tuple[float, float, float]] = {}
+        printed_rates: dict[int, list[float]] = {}
         for _, _, step, loss, lr, sps in _progress(run):
             printed.setdefault(step, (loss, lr, sps))
+            printed_rates.setdefault(step, []).append(sps)
         history = {k: _history(client, rid, k) for k in ("train_loss", "lr", "samples_per_second")}
         for key, points in history.items():
             steps = [s for s, _ in points]
@@ -184,11 +189,13 @@ def test_a_tracked_run_survives_a_late_server_a_killed_rank0_and_an_outage_with_
         # the last values may be in MLflow before their lines reached the driver, when the run is stopped
         compared = [s for s in loss_steps if s in printed]
         assert len(compared) >= len(loss_steps) - 20, (len(compared), len(loss_steps))
-        for i, (key, tol) in enumerate((("train_loss", {"abs": 6e-5}), ("lr", {"rel": 1e-3, "abs": 1e-6}),
-                                        ("samples_per_second", {"abs": 0.6}))):
+        for i, (key, tol) in enumerate((("train_loss", {"abs": 6e-5}), ("lr", {"rel": 1e-3, "abs": 1e-6}))):
             for step, value in history[key]:
                 if step in printed:
                     assert value == pytest.approx(printed[step][i], **tol), (key, step)
+        for step, value in history["samples_per_second"]:
+            if step in printed_rates:
+                assert any(value == pytest.approx(r, abs=0.6) for r in printed_rates[step]), (step, printed_rates[step])
         evals = _history(client, rid, "eval_accuracy")
         assert evals and [s for s, _ in evals] == sorted({s for s, _ in evals})
 
