@@ -74,7 +74,25 @@ class LocalLeaseFile:
         self.path = Path(folder) / LEASE_FILE
 
     def create(self, body: bytes) -> bool:
+        """Create the lease with its whole body at once: the body goes to a file of its own, then a hard
+        link names it (atomic, and refused when the lease exists), so no reader ever sees a lease being
+        written. Where the folder has no hard links, ``O_EXCL`` and a write."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{LEASE_FILE}.{uuid.uuid4().hex[:8]}.new")
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            pass
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -93,8 +111,12 @@ class LocalLeaseFile:
             return None
         try:
             return json.loads(raw), raw
-        except ValueError:  # a driver killed between O_EXCL and its write: no holder, renewed never
-            return {"renewed": 0, "since": 0}, raw
+        except ValueError:  # being written (O_EXCL, no hard links) or its driver killed meanwhile:
+            try:  # renewed when the file was last written
+                mtime = self.path.stat().st_mtime
+            except FileNotFoundError:
+                return None
+            return {"renewed": mtime, "since": mtime}, raw
 
     def replace(self, body: bytes, version) -> bool:
         """The renewal: write ``body`` in place of the lease if it is still ``version`` (no moment without
