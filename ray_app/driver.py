@@ -214,9 +214,9 @@ def lean_trainer_class():
 def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: str, fs=None):
     """The one TorchTrainer of ``train`` and ``eval``: resources, backend, failure handling, logging."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from ray_app import preemption
+    from ray_app.backend import KitTorchConfig
 
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
@@ -230,9 +230,10 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
                                      resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s),
         # every collective (gloo and nccl alike) gives up after failure.hang_timeout_s: a stopped or
-        # deadlocked rank holds the others that long, not torch's 30 minutes
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
-                                 timeout_s=int(cfg.failure.hang_timeout_s)),
+        # deadlocked rank holds the others that long, not torch's 30 minutes; Ray Train's controller
+        # sets the group up without importing torch (ray_app/backend.py)
+        torch_config=KitTorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
+                                    timeout_s=int(cfg.failure.hang_timeout_s)),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),

@@ -47,6 +47,27 @@ def test_kit_trainer_leaves_out_the_unused_actors(tmp_path):
     assert not names & set(LEAN_DROPPED_CALLBACKS)
 
 
+def test_ray_trains_controller_unpickles_no_torch(tmp_path):
+    """What the controller process receives (the run context with the backend config, the callbacks, the
+    policies) loads in a fresh interpreter without importing torch: it runs before any worker exists."""
+    import subprocess
+
+    from ray import cloudpickle
+    from ray.train import FailureConfig
+
+    from ray_app.failure_policy import KitFailurePolicy
+
+    trainer = _trainer(load_config(None, [f"run.storage={tmp_path}"]), storage_path=str(tmp_path))
+    sent = tmp_path / "controller.pkl"
+    sent.write_bytes(cloudpickle.dumps((trainer.train_run_context, trainer._create_default_callbacks(),
+                                        KitFailurePolicy(FailureConfig(max_failures=1)))))
+    probe = ("import sys; from ray import cloudpickle; import ray.train.v2._internal.execution.controller; "
+             f"cloudpickle.loads(open({str(sent)!r}, 'rb').read()); print(sorted(m for m in sys.modules if m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_datasets_keep_their_callback():
     from ray.train.torch import TorchTrainer
 
