@@ -52,8 +52,9 @@ def docker(*args: str, check: bool = True, timeout: float = 120, env: dict | Non
                           capture_output=capture, env=env)
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value; that value is returned."""
+def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "condition", fail_fast=()):
+    """Poll ``predicate`` until it returns a truthy value; that value is returned. An exception of a type
+    in ``fail_fast`` ends the wait at once (the predicate found that the condition can no longer come)."""
     deadline = time.monotonic() + timeout
     last_exc = None
     while time.monotonic() < deadline:
@@ -61,6 +62,8 @@ def wait_until(predicate, timeout: float, interval: float = 0.5, what: str = "co
             value = predicate()
             if value:
                 return value
+        except fail_fast:
+            raise
         except Exception as exc:  # noqa: BLE001 - retried until the deadline
             last_exc = exc
         time.sleep(interval)
@@ -370,6 +373,15 @@ class ContainerCluster:
 
     def wait_for_cpus(self, cpus: float, timeout: float = 180) -> None:
         wait_until(lambda: self.cluster_cpus() >= cpus, timeout, interval=2, what=f"{cpus:g} CPUs in the Ray cluster")
+
+    def wait_for_exactly_the_workers(self, timeout: float = 180) -> None:
+        """Until Ray counts the CPUs of the worker containers running now, no more and no fewer: a
+        container killed and started again is a new node, and the node it was stays counted until Ray
+        finds it dead; a job placed meanwhile may get a worker on the dead node."""
+        per_worker = float(self.worker_spec.command[self.worker_spec.command.index("--num-cpus") + 1])
+        want = len(self.workers) * per_worker
+        wait_until(lambda: self.cluster_cpus() == want, timeout, interval=2,
+                   what=f"exactly {want:g} CPUs (the {len(self.workers)} worker containers) in the Ray cluster")
 
     def ip_of(self, container: str) -> str:
         return docker("inspect", "-f", f"{{{{(index .NetworkSettings.Networks \"{self.network}\").IPAddress}}}}",

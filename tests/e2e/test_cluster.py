@@ -163,13 +163,21 @@ def start_faulted_job(cluster, kind: str) -> tuple[str, str, float, str]:
     """Submit a job without waiting; once its first checkpoint is committed, return (run, submission id,
     start time, the worker container rank 0 runs in: found from the target file rank 0 wrote for
     Prometheus, no log round trip)."""
-    cluster.wait_for_cpus(cluster.n_workers)  # an earlier test's restarted container is back
+    cluster.wait_for_exactly_the_workers()  # an earlier test's restarted container is back, its old node gone
     run, sid = run_name(kind), run_name("job")
     t0 = time.monotonic()
     out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"],
                          wait=False, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
-    wait_until(lambda: cluster.s3.committed_steps(run), 300, interval=0.2, what="the first committed checkpoint")
+    def committed_or_ended():
+        steps = cluster.s3.committed_steps(run)
+        if not steps and cluster.job_status(sid) not in {"RUNNING", "PENDING"}:
+            logs = cluster.job_logs(sid)
+            (LOG_DIR / f"job-{run}.log").write_text(logs)
+            raise AssertionError(f"the job ended before its first checkpoint:\n{logs[-5000:]}")
+        return steps
+
+    wait_until(committed_or_ended, 300, interval=0.5, what="the first committed checkpoint", fail_fast=AssertionError)
     rank0_ip = wait_until(lambda: cluster.rank0_ip(run), 30, interval=0.2, what="rank 0's metrics target file")
     victim = cluster.container_by_ip(rank0_ip)
     assert victim in cluster.workers, rank0_ip
