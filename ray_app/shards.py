@@ -299,7 +299,8 @@ class ShardManifest:
             stated = data["splits"][split].get("samples", manifest.samples(split))
             if stated != manifest.samples(split):
                 raise ShardError(f"{where}: split {split} says {stated} samples, its shards hold "
-                                 f"{manifest.samples(split)}; fix splits.{split}.samples")
+                                 f"{manifest.samples(split)}; fix splits.{split}.samples, or write the data set again "
+                                 "with `ray-app data write`")
         return manifest
 
 
@@ -456,8 +457,9 @@ def write_shards(storage, datasets: dict, info: dict, source: dict, shard_mb: fl
     (a data set raising, the store refusing) leaves shards of this write but no manifest for them.
 
     ``info``: the data set's info; its JSON entries are kept (``num_classes``, ...; not ``collate_fn``)."""
+    name = source.get("data.name", "the data set")
     first = datasets["train"][0]
-    encoding = SampleEncoding.of(first, f"sample 0 of the train set of {source.get('data.name', 'the data set')}")
+    encoding = SampleEncoding.of(first, f"sample 0 of the train set of {name}")
     write_id = uuid.uuid4().hex[:8]
     shard_bytes = max(1, int(shard_mb * 1e6))
     splits = {}
@@ -466,7 +468,7 @@ def write_shards(storage, datasets: dict, info: dict, source: dict, shard_mb: fl
             writer = _SplitWriter(storage, split, encoding, shard_bytes, write_id, Path(tmp), say)
             for index in range(len(datasets[split])):
                 sample = first if split == "train" and index == 0 else datasets[split][index]
-                writer.add(sample, index, f"sample {index} of the {split} set")
+                writer.add(sample, index, f"sample {index} of the {split} set of {name}")
             splits[split] = writer.close()
         manifest = ShardManifest(encoding, splits, _json_entries(info), source, time.time())
         local = Path(tmp) / MANIFEST

@@ -94,6 +94,7 @@ class LocalStorage:
 def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
     """What an error of boto3 means for the user and what would fix it, in one line naming the store
     (never credentials); None if it is no S3 error."""
+    from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
@@ -103,6 +104,8 @@ def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
         PartialCredentialsError,
     )
 
+    if isinstance(exc, S3UploadFailedError) and isinstance(exc.__context__, Exception):
+        exc = exc.__context__  # upload_file's wrapper of the transfer's ClientError (a refused PutObject)
     where = settings.endpoint or "AWS"
     if isinstance(exc, (EndpointConnectionError, ConnectionError)):
         return f"cannot reach the S3 endpoint {where}; check AWS_ENDPOINT_URL_S3 and that the store is running"
