@@ -1,8 +1,9 @@
 """``ray-app`` command line (also ``python -m ray_app``).
 
 Exit codes: 0 success; 2 bad input (config, arguments, credentials, missing
-bucket, unreadable or tampered checkpoint, a run held by another driver) with one
-line naming the key or resource and the fix; 1 a failure during training; 143 a
+bucket, unreadable or tampered checkpoint or shard, a run held by another driver) with
+one line naming the key or resource and the fix; 1 a failure during training (or in
+the data set ``ray-app data write`` packs); 143 a
 training run stopped by a SIGTERM to the driver after its checkpoint was committed;
 130 interrupted (SIGINT, Ctrl-C), after the checkpoint at the next step.
 """
