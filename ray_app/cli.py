@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ray_app import __version__
 from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, RunInterrupted, RunStopped, StorageError, TrainingFailed, exit_code
+from ray_app.shards import DEFAULT_SHARD_MB
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "DEST/train/*.parquet, DEST/eval/*.parquet and DEST/manifest.json.")
     w.add_argument("dest", metavar="DEST", help="s3://bucket/prefix or a local folder")
     _config_args(w)
-    w.add_argument("--shard-mb", type=_positive_float, default=64.0, metavar="MB",
-                   help="sample bytes per shard before compression, in MB (default 64)")
+    w.add_argument("--shard-mb", type=_positive_float, default=DEFAULT_SHARD_MB, metavar="MB",
+                   help=f"sample bytes per shard before compression, in MB (default {DEFAULT_SHARD_MB:g})")
     w.add_argument("--overwrite", action="store_true",
                    help="replace the manifest of a shard set already at DEST (its old shards are kept)")
     v = dsub.add_parser("verify", help="check every shard's size and sha256 against DEST's manifest")

@@ -14,7 +14,7 @@ The encoding (``ENCODING``), one row per sample: ``index`` (int64, the sample's 
 its index in the map-style data set), then one column group per field of the sample. A sample is a tensor
 (field ``sample``), a tuple or list (fields ``0``, ``1``, ...) or a dict (its keys) of tensors, ints, floats
 and bools. A tensor field ``f`` is three columns: ``f`` (binary: the tensor's bytes, C-contiguous, in the
-machine's byte order, little-endian on every platform torch supports), ``f.dtype`` (string: ``float32``,
+machine's byte order: little-endian on x86-64 and ARM64), ``f.dtype`` (string: ``float32``,
 ``int64``, ``bfloat16``, ...) and ``f.shape`` (list of int64); an int is an int64 column, a float a float64
 column, a bool a bool column. Decoding gives back the sample ``__getitem__`` gave, bit for bit.
 
@@ -22,8 +22,8 @@ Every shard's bytes are hashed as they are read (``iter_shard``, ``verify``) and
 its manifest entry is never decoded. Shard names carry the write's id, so a new write (``--overwrite``)
 replaces only the manifest: readers of the old one keep reading consistent shards.
 
-torch and pyarrow are imported inside functions: ``ray_app.plugins`` and the command line import this module
-before anything needs them.
+torch and pyarrow are imported inside functions, as in ``ray_app.plugins``: the command line imports this
+module for every ``data`` command, and reading or verifying a manifest needs neither.
 """
 
 from __future__ import annotations
@@ -60,10 +60,6 @@ def open_dest(dest: str):
     if dest.startswith("s3://") and "/" not in dest[len("s3://"):].strip("/"):
         raise ShardError(f"DEST {dest}: name a prefix under the bucket, e.g. {dest.rstrip('/')}/datasets/NAME")
     return open_storage(dest)
-
-
-def _where(storage) -> str:
-    return storage.uri()
 
 
 # ---------------------------------------------------------------- the encoding of a sample
@@ -326,8 +322,8 @@ def read_manifest(storage_or_uri) -> ShardManifest:
 def _read_manifest(storage, present: dict[str, int]) -> ShardManifest:
     where = storage.uri(MANIFEST)
     if MANIFEST not in present:
-        raise ShardError(f"{_where(storage)}: no {MANIFEST} (not a shard set, or its write did not finish); "
-                         f"write one with `ray-app data write {_where(storage)}`")
+        raise ShardError(f"{storage.uri()}: no {MANIFEST} (not a shard set, or its write did not finish); "
+                         f"write one with `ray-app data write {storage.uri()}`")
     try:
         data = json.loads(storage.read_bytes(MANIFEST))
     except (ValueError, UnicodeDecodeError):
@@ -445,7 +441,7 @@ def check_dest(storage, overwrite: bool) -> dict[str, int]:
             raise ShardError(f"DEST {storage.root}: {existing} is a file, not a folder; choose a folder")
     present = storage.list_files("")
     if MANIFEST in present and not overwrite:
-        raise ShardError(f"DEST {_where(storage)} already holds a shard set ({MANIFEST}); pass --overwrite to "
+        raise ShardError(f"DEST {storage.uri()} already holds a shard set ({MANIFEST}); pass --overwrite to "
                          "replace its manifest (its shards stay until you delete them) or choose another DEST")
     return present
 
