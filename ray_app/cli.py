@@ -1,8 +1,9 @@
 """``ray-app`` command line (also ``python -m ray_app``).
 
 Exit codes: 0 success; 2 bad input (config, arguments, credentials, missing
-bucket, unreadable or tampered checkpoint, a run held by another driver) with one
-line naming the key or resource and the fix; 1 a failure during training; 143 a
+bucket, unreadable or tampered checkpoint or shard, a run held by another driver) with
+one line naming the key or resource and the fix; 1 a failure during training (or in
+the data set ``ray-app data write`` packs); 143 a
 training run stopped by a SIGTERM to the driver after its checkpoint was committed;
 130 interrupted (SIGINT, Ctrl-C), after the checkpoint at the next step.
 """
@@ -20,7 +21,8 @@ import time
 from pathlib import Path
 
 from ray_app import __version__
-from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_OK, RunInterrupted, RunStopped, StorageError, TrainingFailed, exit_code
+from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, RunInterrupted, RunStopped, StorageError, TrainingFailed, exit_code
+from ray_app.shards import DEFAULT_SHARD_MB
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,9 +40,19 @@ def _config_args(p: argparse.ArgumentParser, config_default: str | None = "confi
                         "lists them)")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ray-app", description="PyTorch DDP training on Ray Train: train, evaluate, inspect checkpoints, "
-                                            "run your own DDP script, list the config's keys.")
+                                            "run your own DDP script, pack data into shards, list the config's keys.")
     p.add_argument("--version", action="version", version=f"ray-app {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -78,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script", nargs="?", metavar="SCRIPT", help="the script, e.g. train.py")
     # REMAINDER: everything after SCRIPT is the script's, its own --flags included (as torchrun parses it)
     r.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+
+    d = sub.add_parser("data", help="pack data.name's train and eval sets into Parquet shards; verify shards")
+    dsub = d.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    w = dsub.add_parser("write", help="pack the configured data set into shards under DEST, the manifest last",
+                        description="Builds data.name as `ray-app train` does (same --config and --set) and writes "
+                                    "DEST/train/*.parquet, DEST/eval/*.parquet and DEST/manifest.json.")
+    w.add_argument("dest", metavar="DEST", help="s3://bucket/prefix or a local folder")
+    _config_args(w)
+    w.add_argument("--shard-mb", type=_positive_float, default=DEFAULT_SHARD_MB, metavar="MB",
+                   help=f"sample bytes per shard before compression, in MB (default {DEFAULT_SHARD_MB:g})")
+    w.add_argument("--overwrite", action="store_true",
+                   help="replace the manifest of a shard set already at DEST (its old shards are kept)")
+    v = dsub.add_parser("verify", help="check every shard's size and sha256 against DEST's manifest")
+    v.add_argument("dest", metavar="DEST", help="s3://bucket/prefix or a local folder")
 
     g = sub.add_parser("config", help="every config key with its default and help, or the JSON Schema of config files")
     gsub = g.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -241,12 +267,62 @@ def _export(args) -> int:
     return EXIT_OK
 
 
+def cmd_data(args) -> int:
+    from ray_app import shards
+
+    if args.action == "verify":
+        return _verify_shards(args.dest)
+    cfg = _load(args)
+    storage = shards.open_dest(args.dest)
+    present = shards.check_dest(storage, args.overwrite)  # before the data set is built: a refusal costs nothing
+    from ray_app.errors import DataPipelineError
+    from ray_app.plugins import add_project_to_path, build_data, validate
+
+    add_project_to_path(os.getcwd())
+    validate(cfg)
+    train, evaluation, info = build_data(cfg)
+    source = {"data.name": cfg.data.name, "data.args": cfg.data.args}
+    try:
+        manifest = shards.write_shards(storage, {"train": train, "eval": evaluation}, info, source, args.shard_mb)
+    except DataPipelineError as exc:  # the user's data set raised: their frames once, then one line
+        print(DataPipelineError.report_of(exc).rstrip(), file=sys.stderr)
+        print(f"ray-app: data write failed in data.name {cfg.data.name}; no manifest was written at {args.dest}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    old = sorted(set(present) - {shards.MANIFEST})
+    if old:
+        print(f"{len(old)} files of earlier writes remain under {storage.uri()} (not in the manifest, e.g. {old[0]}); "
+              "delete them once no reader uses them")
+    _emit_summary({"manifest": storage.uri(shards.MANIFEST), "samples": manifest.total_samples,
+                   **{f"{split}_samples": manifest.samples(split) for split in shards.SPLITS},
+                   "shards": len(manifest.shards), "bytes": manifest.total_bytes,
+                   "info": manifest.info}, None)
+    return EXIT_OK
+
+
+def _verify_shards(dest: str) -> int:
+    from ray_app import shards
+
+    storage = shards.open_dest(dest)
+    manifest, problems = shards.verify(storage)
+    for line in problems:
+        print(f"BAD {line}")
+    size = f"{len(manifest.shards)} shards, {manifest.total_samples} samples, {manifest.total_bytes / 1e6:.2f} MB"
+    if problems:
+        print(f"ray-app: error: {storage.uri()}: {len(problems)} of {len(manifest.shards)} shards failed verification "
+              f"(first: {problems[0].split(':')[0]}); write the data set again with `ray-app data write DEST "
+              "--overwrite`", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{storage.uri()}: {size}: verified")
+    return EXIT_OK
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints,
-            "run": cmd_run, "config": cmd_config}
+            "run": cmd_run, "config": cmd_config, "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 Callers import their exceptions from here only, so no module imports another just to catch its error.
 ``exit_code`` is the one table the command line uses (``ray_app.cli``):
 
-- 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``UserError``,
-  ``RunHeld`` (another driver holds the run's lease);
+- 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``ShardError``,
+  ``UserError``, ``RunHeld`` (another driver holds the run's lease);
 - 1, training failed: ``TrainingFailed`` (a bug in the user's code after its retry, every restart spent);
 - 143 (128 + SIGTERM), stopped: ``RunStopped``, after the checkpoint of the driver's SIGTERM;
 - 130, interrupted: ``RunInterrupted``, after the checkpoint of the driver's SIGINT (Ctrl-C).
@@ -146,6 +146,11 @@ class CheckpointDamaged(CheckpointError):
         self.uri, self.reason = uri, reason
 
 
+class ShardError(RuntimeError):
+    """Shards that cannot be read as a data set (``ray_app.shards``): no manifest, a manifest of another format
+    or version, a malformed one, a split without shards, a shard missing or whose bytes do not match it (exit 2)."""
+
+
 class Diverged(RuntimeError):
     """Every rank raises this at the same step when the loss or the gradients are not finite and
     ``train.nonfinite`` is ``stop``: the run ends there (exit code 1), its newest good checkpoint kept."""
@@ -160,7 +165,7 @@ class Stopped(RuntimeError):
 
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 128 + signal.SIGTERM, 130
-BAD_INPUT = (ConfigError, StorageError, CheckpointError, UserError, RunHeld)  # one line naming the key or resource
+BAD_INPUT = (ConfigError, StorageError, CheckpointError, ShardError, UserError, RunHeld)  # one line naming the key or resource
 
 
 def exit_code(exc: BaseException) -> int | None:

@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 from ray_app.errors import StorageError
 from ray_app.retry import Retrying
 
+READ_CHUNK = 1 << 20  # bytes a streamed read (``read_into``) holds at a time
+
 
 @dataclass(frozen=True)
 class S3Settings:
@@ -67,6 +69,13 @@ class LocalStorage:
     def read_bytes(self, rel: str) -> bytes:
         return self._p(rel).read_bytes()
 
+    def read_into(self, rel: str, out) -> None:
+        """Copy a file into the binary file ``out`` (from its start), a chunk at a time: memory stays bounded."""
+        out.seek(0)
+        out.truncate()
+        with open(self._p(rel), "rb") as f:
+            shutil.copyfileobj(f, out, READ_CHUNK)
+
     def upload_file(self, local: str, rel: str) -> None:
         dst = self._p(rel)
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +94,7 @@ class LocalStorage:
 def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
     """What an error of boto3 means for the user and what would fix it, in one line naming the store
     (never credentials); None if it is no S3 error."""
+    from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
@@ -94,6 +104,8 @@ def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
         PartialCredentialsError,
     )
 
+    if isinstance(exc, S3UploadFailedError) and isinstance(exc.__context__, Exception):
+        exc = exc.__context__  # upload_file's wrapper of the transfer's ClientError (a refused PutObject)
     where = settings.endpoint or "AWS"
     if isinstance(exc, (EndpointConnectionError, ConnectionError)):
         return f"cannot reach the S3 endpoint {where}; check AWS_ENDPOINT_URL_S3 and that the store is running"
@@ -179,6 +191,18 @@ class S3Storage:
     def read_bytes(self, rel: str) -> bytes:
         return self._retry(f"reading {rel}", lambda: self.client.get_object(
             Bucket=self.settings.bucket, Key=self._key(rel))["Body"].read())
+
+    def read_into(self, rel: str, out) -> None:
+        """Copy an object into the binary file ``out`` a chunk at a time (memory stays bounded); a transient
+        error starts the copy over, ``out`` from its start again, within the retry budget."""
+        self._retry(f"reading {rel}", self._read_into, rel, out)
+
+    def _read_into(self, rel: str, out) -> None:
+        out.seek(0)
+        out.truncate()
+        body = self.client.get_object(Bucket=self.settings.bucket, Key=self._key(rel))["Body"]
+        for chunk in body.iter_chunks(READ_CHUNK):
+            out.write(chunk)
 
     def upload_file(self, local: str, rel: str) -> None:
         # one object per call: a retry re-sends the whole file (a multipart upload restarts cleanly)
