@@ -28,6 +28,14 @@ def tier_of(item: pytest.Item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the e2e tier runs last: the image it needs builds in the background meanwhile (tests/e2e/image_build.py)
+    items.sort(key=lambda item: tier_of(item) == "e2e")
+    needs_image = any(tier_of(item) == "e2e" and "image" in getattr(item, "fixturenames", ()) for item in items)
+    if needs_image and not config.option.collectonly:
+        from tests.e2e.image_build import docker_engine_problem, start
+
+        if docker_engine_problem() is None:
+            start()
     image_built = False
     for item in items:
         if item.get_closest_marker("timeout") is not None:
@@ -54,3 +62,9 @@ def run_cli_fixture():
 def port_picker():
     """A callable returning a free port, for module- or session-scoped fixtures."""
     return free_port
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.e2e.image_build import stop
+
+    stop()  # a background build that no test waited for (the session ended before the e2e tier)
