@@ -5,7 +5,7 @@
   with torchrun's environment on every rank;
 - bad input: a missing script exits 2 with one line before Ray starts; a script that raises exits 1 with
   its traceback once, retried once and not to the end of failure.max_failures;
-- the same script through ``ray job submit --working-dir .`` to a ``ray start --head`` cluster with token auth;
+- the same script through ``ray job submit --working-dir .`` is e2e/test_cluster.py's (a cluster of containers);
 - a worker SIGKILLed mid-run: with ``ray_app.script.save``/``load`` the run resumes from the newest save
   and ends on the uninterrupted run's parameters; without them it restarts from its beginning and finishes.
 """
@@ -115,16 +115,6 @@ def test_a_script_that_raises_exits_1_with_its_traceback_once_and_is_not_retried
 
 
 # ---------------------------------------------------------------- a cluster: ray job submit
-
-def test_ray_job_submit_with_the_working_dir_runs_the_same_script(project, ray_head, reference, tmp_path):
-    entry = ["ray-app", "run", "--set", f"run.storage={tmp_path}", "train.py", *EPOCHS]
-    t0 = time.monotonic()
-    p = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", ray_head["jobs"], "--working-dir", ".",
-                        "--", *entry], cwd=project, env=ray_head["env"], capture_output=True, text=True, timeout=600)
-    print(f"ray job submit: rc {p.returncode} in {time.monotonic() - t0:.1f}s")
-    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    assert lines_of(p.stdout) == reference["lines"]
-
 
 # ---------------------------------------------------------------- a worker SIGKILLed mid-run
 

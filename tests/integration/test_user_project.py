@@ -97,7 +97,9 @@ def reference(project, trained, tmp_path_factory):
     return {"hits": hits, "nll": nll, "n": len(ev)}
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+# 3 ranks over 301 samples: uneven shards and padding, through Ray with the project's own metrics; 1, 2 and 3
+# ranks on real gloo groups are the unit tier's (test_loop_ddp.py), 2 through Ray test_train_local.py's
+@pytest.mark.parametrize("workers", [3])
 def test_eval_at_any_world_size_equals_a_single_process_evaluation(project, trained, reference, workers):
     rc, out, err = ray_app(["eval", "--checkpoint", trained["checkpoint"], "--set", f"scaling.num_workers={workers}",
                             "--set", "scaling.cpus_per_worker=0.5"], project, LOCAL)
