@@ -92,7 +92,7 @@ class StreamedShardSampler(ResumableDistributedSampler):
 
     def __iter__(self):
         mine = self._rest()[self.rank::self.num_replicas]
-        self.dataset.plan(mine)
+        _plan(self.dataset, mine)
         return iter(mine)
 
 
@@ -112,11 +112,18 @@ class BlockEvalSampler(Sampler):
         self.keep = torch.arange(size) < len(real)
 
     def __iter__(self):
-        self.dataset.plan(self.indices)
+        _plan(self.dataset, self.indices)
         return iter(self.indices)
 
     def __len__(self):
         return len(self.indices)
+
+
+def _plan(dataset, indices: list[int]) -> None:
+    """Tell a streamed data set what this rank reads next, in order (it fetches ahead), if it asks."""
+    plan = getattr(dataset, "plan", None)
+    if callable(plan):
+        plan(indices)
 
 
 def data_samplers(train_set, eval_set, world: int, rank: int, seed: int):
