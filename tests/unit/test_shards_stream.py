@@ -338,6 +338,23 @@ def test_a_shard_set_that_cannot_be_read_stops_train_before_ray_starts(ray_app, 
     assert not (tmp_path / "runs").exists()  # nothing started: no lease, no run folder
 
 
+@pytest.mark.timeout(30)
+def test_shards_args_are_checked_on_the_driver_and_loader_workers_are_named_once(digit_shards):
+    from ray_app.errors import ConfigError
+    from ray_app.plugins import loader_workers_note, validate
+
+    base = ["data.name=shards", f"data.path={digit_shards}"]
+    validate(load_config(None, base + ["data.args.prefetch=4"]))
+    for arg, says in (("data.args.prefetch=0", "data.args.prefetch: 0"),
+                      ("data.args.storage_retry_s=5", "takes no argument 'storage_retry_s'")):
+        with pytest.raises(ConfigError, match=says):
+            validate(load_config(None, base + [arg]))
+    assert loader_workers_note(load_config(None, base)) is None
+    note = loader_workers_note(load_config(None, base + ["data.loader_workers=2"]))
+    assert "data.loader_workers=2 is not used" in note and "\n" not in note
+    assert loader_workers_note(load_config(None, ["data.loader_workers=2"])) is None  # map-style: used
+
+
 # ---------------------------------------------------------------- the DDP loop on streamed shards (gloo, no Ray)
 
 def _loop_worker(rank: int, world: int, port: int, out: str, storage: str, dest: str, phase: str) -> None:
