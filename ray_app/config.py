@@ -52,14 +52,17 @@ def _args(help: str):
 class DataSection:
     """The data set plug-in, its arguments and the loaders."""
 
-    name: str = _f("digits", "Data set: digits, synthetic, cifar10, imagefolder, or your own factory "
-                   "package.module:function returning (train, eval) or (train, eval, info).")
+    name: str = _f("digits", "Data set: digits, synthetic, cifar10, imagefolder, shards (streamed from what "
+                   "`ray-app data write` wrote), or your own factory package.module:function returning "
+                   "(train, eval) or (train, eval, info).")
     args: dict = _args("Keyword arguments of the data factory (synthetic: num_samples, image_size; "
-                       "imagefolder: image_size).")
+                       "imagefolder: image_size; shards: prefetch, the shards fetched ahead, default 2).")
     path: str = _f("", "Data folder, passed as the factory's path argument (cifar10: cifar-10-batches-py inside; "
-                   "imagefolder: train/ and val/ inside); relative to where ray-app runs.")
+                   "imagefolder: train/ and val/ inside; shards: the folder or s3://bucket/prefix that "
+                   "`ray-app data write` wrote); relative to where ray-app runs.")
     batch_size: int = _f(32, "Per-worker batch size (global batch = batch_size * num_workers * grad_accum).", min=1)
-    loader_workers: int = _f(0, "DataLoader worker processes per training worker.", min=0, max=64)
+    loader_workers: int = _f(0, "DataLoader worker processes per training worker (not used by shards, which a "
+                             "prefetch thread reads).", min=0, max=64)
 
 
 @dataclass

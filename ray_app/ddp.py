@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, Sampler
 
 
 def seed_everything(seed: int) -> None:
@@ -38,19 +38,29 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.start = 0  # samples of this epoch's order already read, by all ranks together
+        self.epoch_world = self.num_replicas  # the world size the epoch started at (the order may depend on it)
 
-    def set_start(self, samples_done: int) -> None:
+    def set_start(self, samples_done: int, epoch_world: int | None = None) -> None:
+        """Resume the epoch after ``samples_done`` samples of its order; ``epoch_world``: the world size the
+        epoch started at (this sampler's order does not depend on it; the streamed shards' does)."""
         self.start = samples_done
+        self.epoch_world = epoch_world or self.num_replicas
 
-    def _rest(self) -> list[int]:
+    def _epoch_size(self) -> int:
+        """The length of the epoch's whole order (padded)."""
+        return self.total_size
+
+    def _epoch_order(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(len(self.dataset), generator=g).tolist()
         else:
             order = list(range(len(self.dataset)))
-        order = _pad_or_trim(order, self.total_size)  # = DistributedSampler's
-        rest = order[self.start:]
+        return _pad_or_trim(order, self.total_size)  # = DistributedSampler's
+
+    def _rest(self) -> list[int]:
+        rest = self._epoch_order()[self.start:]
         return rest[:len(rest) - len(rest) % self.num_replicas] if self.drop_last else \
             _pad_or_trim(rest, math.ceil(len(rest) / self.num_replicas) * self.num_replicas)
 
@@ -58,8 +68,77 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(self._rest()[self.rank::self.num_replicas])
 
     def __len__(self):
-        rest = max(self.total_size - self.start, 0)
+        rest = max(self._epoch_size() - self.start, 0)
         return rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
+
+
+class StreamedShardSampler(ResumableDistributedSampler):
+    """The train order of streamed shards (``data.name: shards``): the data set's ``epoch_order(seed, epoch,
+    W0)``, W0 the world size the epoch started at, so that rank r of W0 reads block r, a contiguous run of
+    shards (``ray_app.shards.ShardDataset``). Everything else is ResumableDistributedSampler's: after b batches
+    all ranks together have read the order's first b * B * W samples, and ``set_start(samples_done, W0)``
+    deals the rest out over any world size (padded to a multiple of it from the rest's own beginning); a rank
+    then reads from several of the W0 blocks, for the rest of that epoch only. The sampler tells the data set
+    what this rank reads (``plan``), so its shards are fetched ahead in that order."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int = 0):
+        super().__init__(dataset, num_replicas, rank, shuffle=True, seed=seed, drop_last=False)
+
+    def _epoch_size(self) -> int:
+        return math.ceil(len(self.dataset) / self.epoch_world) * self.epoch_world
+
+    def _epoch_order(self) -> list[int]:
+        return self.dataset.epoch_order(self.seed, self.epoch, self.epoch_world)
+
+    def __iter__(self):
+        mine = self._rest()[self.rank::self.num_replicas]
+        _plan(self.dataset, mine)
+        return iter(mine)
+
+
+class BlockEvalSampler(Sampler):
+    """Eval over streamed shards, in index order: rank r of W reads the r-th of W contiguous blocks of
+    ceil(n / W) indices (so each eval shard is fetched by one rank, or two where a block boundary cuts it),
+    the last blocks padded to that length with their own last index; ``keep`` is False at the padding, which
+    the Evaluator masks out (practice 5)."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int):
+        n = len(dataset)
+        size = math.ceil(n / num_replicas)
+        lo, hi = min(rank * size, n), min((rank + 1) * size, n)
+        real = list(range(lo, hi))
+        self.dataset = dataset
+        self.indices = real + [real[-1] if real else n - 1] * (size - len(real))
+        self.keep = torch.arange(size) < len(real)
+
+    def __iter__(self):
+        _plan(self.dataset, self.indices)
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+def _plan(dataset, indices: list[int]) -> None:
+    """Tell a streamed data set what this rank reads next, in order (it fetches ahead), if it asks."""
+    plan = getattr(dataset, "plan", None)
+    if callable(plan):
+        plan(indices)
+
+
+def data_samplers(train_set, eval_set, world: int, rank: int, seed: int):
+    """(train sampler, eval sampler, eval keep mask, streamed): streamed shards (a data set with
+    ``epoch_order``, ``ray_app.shards.ShardDataset``) read blocks of shards; any other map-style data set is
+    DistributedSampler's, resumable. ``keep`` is False at the eval sampler's padded duplicates (practice 5)."""
+    if callable(getattr(train_set, "epoch_order", None)):
+        eval_sampler = BlockEvalSampler(eval_set, world, rank)
+        return StreamedShardSampler(train_set, world, rank, seed=seed), eval_sampler, eval_sampler.keep, True
+    train = ResumableDistributedSampler(train_set, world, rank, shuffle=True, seed=seed, drop_last=False)
+    eval_sampler = DistributedSampler(eval_set, world, rank, shuffle=False, drop_last=False)
+    # DistributedSampler deals position p of the padded order to rank p % world; positions past the
+    # data set's end are the padding (repeats of its first samples)
+    keep = torch.arange(eval_sampler.num_samples) * world + rank < len(eval_set)
+    return train, eval_sampler, keep, False
 
 
 def _pad_or_trim(indices: list[int], size: int) -> list[int]:

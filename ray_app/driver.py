@@ -255,12 +255,17 @@ def _num_workers(cfg: Config):
 def validate_before_ray(cfg: Config) -> None:
     """The plug-ins (import, attribute, arguments) and, where the driver shares the workers' files
     (local Ray), the data folder. Torch is not imported for the built-ins."""
-    from ray_app.plugins import add_project_to_path, validate, validate_local_data
+    from ray_app.plugins import SHARDS_TARGET, add_project_to_path, check_shard_set, loader_workers_note, target, validate, validate_local_data
 
     add_project_to_path(os.getcwd())
     validate(cfg)
     if not os.environ.get("RAY_ADDRESS"):
         validate_local_data(cfg)
+    elif target("data", cfg.data.name) == SHARDS_TARGET and cfg.data.path.startswith("s3://"):
+        check_shard_set(cfg)  # the store the workers read: reachable from here too
+    note = loader_workers_note(cfg)
+    if note:
+        print(note, file=sys.stderr, flush=True)
 
 
 def preflight_run(cfg: Config):

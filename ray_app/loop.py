@@ -38,12 +38,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state
 from ray_app.config import Config
-from ray_app.ddp import ResumableDistributedSampler, assert_identical_parameters, first_dim, lr_lambda, seed_everything, to_device
+from ray_app.ddp import ResumableDistributedSampler, assert_identical_parameters, data_samplers, first_dim, lr_lambda, seed_everything, to_device
 from ray_app.errors import Diverged, PluginError, Preempted, Stopped
 from ray_app.evaluation import EvalSet, Evaluator, describe
 from ray_app.plugins import build_data, build_model, build_task
@@ -101,16 +101,16 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     task = build_task(cfg)
 
     world, rank, bs = runtime.world_size, runtime.rank, cfg.data.batch_size
-    train_sampler = ResumableDistributedSampler(train_set, world, rank, shuffle=True, seed=cfg.run.seed, drop_last=False)
-    eval_sampler = DistributedSampler(eval_set, world, rank, shuffle=False, drop_last=False)
+    train_sampler, eval_sampler, eval_keep, streamed = data_samplers(train_set, eval_set, world, rank, cfg.run.seed)
     eval_indices = torch.tensor(list(iter(eval_sampler)))
     loader_gen = torch.Generator()  # reseeded every epoch: never touches the global RNG
     pin = runtime.device.type == "cuda"
+    workers = 0 if streamed else cfg.data.loader_workers  # streamed shards: one prefetch thread per rank
 
     def loader(dataset, sampler, generator):
-        return DataLoader(dataset, batch_size=bs, sampler=sampler, num_workers=cfg.data.loader_workers,
+        return DataLoader(dataset, batch_size=bs, sampler=sampler, num_workers=workers,
                           pin_memory=pin, generator=generator, collate_fn=collate_fn,
-                          persistent_workers=cfg.data.loader_workers > 0)
+                          persistent_workers=workers > 0)
 
     batches_per_epoch = math.ceil(train_sampler.num_samples / bs)
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
@@ -126,9 +126,7 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
         # must not move the training RNG (or a resumed run would diverge)
         eval_set=EvalSet(
             loader=loader(eval_set, eval_sampler, torch.Generator().manual_seed(cfg.run.seed)), indices=eval_indices,
-            # DistributedSampler deals position p of the padded order to rank p % world; positions past the
-            # data set's end are the padding (repeats of its first samples)
-            keep=torch.arange(n_eval) * world + rank < len(eval_set),
+            keep=eval_keep,
             batch_sizes=[min(bs, n_eval - i) for i in range(0, n_eval, bs)]),
         batches_per_epoch=batches_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)),
@@ -230,7 +228,9 @@ class Trainer:
         cfg, parts, accum = self.cfg, self.parts, self.cfg.train.grad_accum
         self.model.train()
         parts.train_sampler.set_epoch(epoch)  # practice 2: a new order every epoch
-        parts.train_sampler.set_start(self.pos.samples_done)
+        if self.pos.samples_done == 0:  # an epoch starts: its order is cut at this world size (streamed shards)
+            self.pos.epoch_world_size = self.world_size
+        parts.train_sampler.set_start(self.pos.samples_done, self.pos.epoch_world_size)
         parts.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + epoch)
         self.progress.new_epoch(self.pos.global_step)
         step_t0 = time.perf_counter()
@@ -404,7 +404,7 @@ class Trainer:
                 model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
                 scheduler=self.scheduler.state_dict(), rng_per_rank=rng_all,
                 state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
-                       "samples_done": self.pos.samples_done,
+                       "samples_done": self.pos.samples_done, "epoch_world_size": self.pos.epoch_world_size,
                        "global_step": self.pos.global_step, "world_size": self.world_size,
                        "last_eval": self.last_eval, "tracking": self.metrics.checkpoint_state()},
                 config=self.cfg.to_dict(), metrics=metrics,

@@ -34,19 +34,22 @@ import traceback
 from pathlib import Path
 
 from ray_app.config import Config
-from ray_app.errors import ConfigError, DataPipelineError, PluginError
+from ray_app.errors import ConfigError, DataPipelineError, PluginError, ShardError, StorageError, StorageUnavailable
 
 KINDS = ("data", "model", "task")
 
 BUILTIN = {
     "data": {"digits": "ray_app.data:digits", "synthetic": "ray_app.data:synthetic",
-             "cifar10": "ray_app.data:cifar10", "imagefolder": "ray_app.data:imagefolder"},
+             "cifar10": "ray_app.data:cifar10", "imagefolder": "ray_app.data:imagefolder",
+             "shards": "ray_app.shards:shard_data"},
     "model": {"digits_cnn": "ray_app.models:DigitsCNN", "mlp": "ray_app.models:mlp",
               "wide_mlp": "ray_app.models:wide_mlp"},
     "task": {"classification": "ray_app.tasks:Classification", "regression": "ray_app.tasks:Regression",
              "language_model": "ray_app.tasks:LanguageModel"},
 }
 TORCHVISION_TARGET = "ray_app.models:torchvision_classifier"  # any torchvision classifier name, e.g. resnet18
+SHARDS_TARGET = "ray_app.shards:shard_data"  # streamed shards (ray-app data write); the kit passes its retry budget
+SHARDS_KIT_ARGS = {"storage_retry_s"}  # what the kit passes the shards' factory (failure.storage_retry_s)
 
 # what the built-in data sets' info holds, known without loading them (checked against the real ones in tests)
 BUILTIN_DATA_CHANNELS = {"digits": 1, "synthetic": 3, "cifar10": 3, "imagefolder": 3}
@@ -207,7 +210,7 @@ def params(kind: str, name: str) -> Params:
 
 def _check_args(kind: str, name: str, p: Params, args: dict, kit_supplies: set[str]) -> None:
     for arg in args:
-        if not p.accepts(arg):
+        if not p.accepts(arg) or arg in kit_supplies:
             takes = ", ".join(n for n in p.names if n not in kit_supplies) or "no arguments"
             raise ConfigError(f"config key {kind}.args.{arg}: {name} takes no argument {arg!r}; it takes {takes}")
 
@@ -215,11 +218,15 @@ def _check_args(kind: str, name: str, p: Params, args: dict, kit_supplies: set[s
 def validate(cfg: Config) -> None:
     """Everything about the plug-ins that can be checked before Ray starts (ConfigError, exit 2)."""
     data_p = params("data", cfg.data.name)
-    _check_args("data", cfg.data.name, data_p, cfg.data.args, set())
+    kit_args = SHARDS_KIT_ARGS if target("data", cfg.data.name) == SHARDS_TARGET else set()
+    _check_args("data", cfg.data.name, data_p, cfg.data.args, kit_args)
     if cfg.data.path and "path" not in cfg.data.args and not data_p.accepts("path"):
         raise ConfigError(f"config key data.path: {cfg.data.name} takes no path argument; "
                           "unset data.path or pass what the factory takes in data.args")
-    given = set(cfg.data.args) | ({"path"} if cfg.data.path else set())
+    given = set(cfg.data.args) | ({"path"} if cfg.data.path else set()) | kit_args
+    prefetch = cfg.data.args.get("prefetch", 2)
+    if kit_args and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 64):
+        raise ConfigError(f"config key data.args.prefetch: {prefetch!r}; the shards fetched ahead, an int from 1 to 64")
     missing = sorted(data_p.required - given)
     if missing:
         where = "data.path" if missing == ["path"] else f"data.args.{missing[0]}"
@@ -263,6 +270,25 @@ def validate_local_data(cfg: Config) -> None:
     """Checks of data.path that need the workers' file system: run where the driver shares it (local Ray)."""
     if cfg.data.name in ("cifar10", "imagefolder") and cfg.data.path:
         check_builtin_data_folder(cfg.data.name, cfg.data.path)
+    if target("data", cfg.data.name) == SHARDS_TARGET:
+        check_shard_set(cfg)
+
+
+def check_shard_set(cfg: Config) -> None:
+    """data.name=shards: the manifest at data.path read as the workers will (no manifest, another format,
+    a split without shards: ShardError, one line, exit 2). Run on the driver before Ray starts, for an
+    ``s3://`` set always, for a folder where the driver shares the workers' files (local Ray)."""
+    from ray_app.shards import open_dest, read_manifest
+
+    read_manifest(open_dest(str(cfg.data.args.get("path", cfg.data.path))))
+
+
+def loader_workers_note(cfg: Config) -> str | None:
+    """The one line said when data.loader_workers is set for streamed shards, which are read without them."""
+    if target("data", cfg.data.name) != SHARDS_TARGET or cfg.data.loader_workers == 0:
+        return None
+    return (f"ray-app: data.name=shards reads its shards in each training worker (a prefetch thread), so "
+            f"data.loader_workers={cfg.data.loader_workers} is not used (README 'Shards': loader workers)")
 
 
 # ---------------------------------------------------------------- building (on the workers)
@@ -273,6 +299,8 @@ def build_data(cfg: Config):
     kwargs = dict(cfg.data.args)
     if cfg.data.path and "path" not in kwargs:
         kwargs["path"] = cfg.data.path
+    if target("data", cfg.data.name) == SHARDS_TARGET:
+        kwargs["storage_retry_s"] = cfg.failure.storage_retry_s  # shards are read as checkpoints are written
     out = factory(**kwargs)
     name = cfg.data.name
     if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
@@ -320,6 +348,8 @@ class GuardedDataset:
     def __getitem__(self, index):
         try:
             return self.dataset[index]
+        except (ShardError, StorageError, StorageUnavailable):  # the kit's own reading of shards: not the user's
+            raise
         except Exception as exc:
             raise DataPipelineError(DataPipelineError.MARKER + _item_report(exc, index)) from None
 

@@ -21,12 +21,14 @@ from ray_app.errors import CheckpointError, PluginError
 class Position:
     """Where training is: epoch (0-based), batches done in it (on each rank), optimizer steps so far, and
     the samples of the epoch's order read so far by all ranks together (what a resume at another world
-    size starts from)."""
+    size starts from), and the world size the epoch started at (the streamed shards' order is cut into
+    that many blocks; 0 before the first epoch starts)."""
 
     epoch: int = 0
     batches_done: int = 0
     global_step: int = 0
     samples_done: int = 0
+    epoch_world_size: int = 0
 
 
 @dataclass
@@ -69,7 +71,8 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     s = loaded.state
     saved_world = s.get("world_size", world_size)
     pos = Position(s["epoch"], s["batches_done"], s["global_step"],
-                   s.get("samples_done", s["batches_done"] * cfg.data.batch_size * saved_world))
+                   s.get("samples_done", s["batches_done"] * cfg.data.batch_size * saved_world),
+                   s.get("epoch_world_size", saved_world))  # older checkpoints: the epoch started at their world
     if saved_world != world_size:
         reshard(cfg, parts, pos, saved_world, world_size, say)
     apply_hyperparameters(cfg, parts.optimizer, parts.scheduler)
@@ -87,7 +90,7 @@ def reshard(cfg: Config, parts, pos: Position, saved_world: int, world_size: int
     per-worker batch stays data.batch_size, so the global batch is data.batch_size x the world size;
     global_step keeps counting the optimizer steps taken."""
     accum = cfg.train.grad_accum
-    parts.train_sampler.set_start(pos.samples_done)
+    parts.train_sampler.set_start(pos.samples_done, pos.epoch_world_size)
     left = math.ceil(len(parts.train_sampler) / cfg.data.batch_size)
     pos.batches_done = parts.batches_per_epoch - left
     parts.scheduler.last_epoch = pos.epoch * parts.steps_per_epoch + pos.batches_done // accum

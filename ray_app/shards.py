@@ -52,14 +52,15 @@ DEFAULT_SHARD_MB = 64.0
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def open_dest(dest: str):
-    """DEST -> the kit's storage for it (S3 with the AWS chain's credentials and endpoint, or a folder);
-    ShardError for a URI that is neither, or a bucket without a prefix."""
+def open_dest(dest: str, retry_s: float = 0.0):
+    """DEST -> the kit's storage for it (S3 with the AWS chain's credentials and endpoint, transient errors
+    retried for ``retry_s`` as a worker's checkpoints are, or a folder); ShardError for a URI that is
+    neither, or a bucket without a prefix."""
     if "://" in dest and not dest.startswith("s3://"):
         raise ShardError(f"DEST {dest}: not a folder or s3:// URI; use s3://bucket/prefix or a local folder")
     if dest.startswith("s3://") and "/" not in dest[len("s3://"):].strip("/"):
         raise ShardError(f"DEST {dest}: name a prefix under the bucket, e.g. {dest.rstrip('/')}/datasets/NAME")
-    return open_storage(dest)
+    return open_storage(dest, retry_s=retry_s)
 
 
 # ---------------------------------------------------------------- the encoding of a sample
@@ -552,3 +553,215 @@ def _sha256_file(path: Path) -> tuple[str, int]:
             h.update(chunk)
             size += len(chunk)
     return h.hexdigest(), size
+
+
+# ---------------------------------------------------------------- streaming: data.name=shards
+
+DEFAULT_PREFETCH = 2  # shards fetched ahead of the one being read: memory holds at most this + 1 decoded shards
+
+
+def shard_data(path: str, prefetch: int = DEFAULT_PREFETCH, storage_retry_s: float = 0.0):
+    """``data.name: shards``: the shard set at ``data.path`` (a folder or ``s3://bucket/prefix``) as
+    ``(train, eval, info)``, each split a :class:`ShardDataset` that streams its shards through the kit's
+    storage (``storage_retry_s``: the kit passes ``failure.storage_retry_s``, as for checkpoints);
+    ``info`` is the manifest's (``num_classes``, ...)."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 64:
+        raise ShardError(f"config key data.args.prefetch: {prefetch!r}; shards fetched ahead, an int from 1 to 64")
+    storage = open_dest(path, retry_s=storage_retry_s)
+    manifest = read_manifest(storage)
+    return (ShardDataset(storage, manifest, "train", prefetch), ShardDataset(storage, manifest, "eval", prefetch),
+            dict(manifest.info))
+
+
+class ShardDataset:
+    """One split of a shard set as a map-style data set (``__getitem__(index)``, ``len``) that a rank reads in
+    the order its sampler plans (``plan``), shard after shard, never the whole set.
+
+    The epoch's order (``epoch_order``) is a pure function of (seed, epoch, world size W at the epoch's start,
+    the manifest): the shards in a seeded permutation, each shard's samples in a seeded permutation of their
+    own, concatenated; that sequence padded to a multiple of W by repeating it from its start (as
+    DistributedSampler pads) and cut into W contiguous blocks of equal length; position k*W + r of the order is
+    block r's k-th sample. Rank r of W reads every W-th position from r, so its stream is block r: about 1/W of
+    the shards' bytes (plus the shards its block shares with its neighbours, and the padding's).
+
+    Reading: a background thread fetches the shards of the plan in the order they are first needed, each one
+    copied into a temporary file as it is hashed (``iter_shard``), decoded, and its file deleted; a shard is
+    dropped from memory right after its last sample in the plan was read. Memory holds at most ``prefetch + 1``
+    decoded shards (the one being read and those fetched ahead), the disk one shard (the one arriving). Only in
+    the rest of an epoch resumed at another world size does a rank read from the W blocks of the epoch's start
+    at once: then the shards it reads from at the same time are kept too (about W). A read outside the plan
+    (none in training) loads its shard in the calling thread and keeps that one shard besides.
+
+    A shard that does not match its manifest entry raises ``ShardError`` naming it when its first sample is
+    read (found by the fetch thread, raised in the reader); storage errors are raised there as the storage
+    raises them."""
+
+    def __init__(self, storage, manifest: ShardManifest, split: str, prefetch: int = DEFAULT_PREFETCH,
+                 tmp_dir: str | None = None):
+        self.storage, self.encoding, self.split, self.tmp_dir = storage, manifest.encoding, split, tmp_dir
+        self.shards = manifest.splits[split]
+        self.firsts = [s.first for s in self.shards]
+        self.samples = manifest.samples(split)
+        self.prefetch = prefetch
+        self.capacity = prefetch + 1  # decoded shards in memory, the one arriving counted
+        self.peak_cached = 0  # the most shards held at once (the fetch thread's one arriving counted)
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        import threading
+
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._cache: dict[int, list] = {}  # shard number -> its samples, in index order
+        self._arriving = 0  # shards being fetched (0 or 1)
+        self._errors: dict[int, BaseException] = {}
+        self._loose: tuple[int, list] | None = None  # the shard of a read outside the plan
+        self._thread = None
+        self._set_plan([])
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getstate__(self) -> dict:  # a DataLoader worker process gets the data set without its thread
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+    def shard_of(self, index: int) -> int:
+        import bisect
+
+        return bisect.bisect_right(self.firsts, index) - 1
+
+    # ------------------------------------------------------------ the order
+    def epoch_order(self, seed: int, epoch: int, world_size: int) -> list[int]:
+        """The epoch's global order (length: the samples padded to a multiple of ``world_size``); see the
+        class docstring. Pure: the same arguments and manifest give the same list on every rank and host."""
+        import numpy as np
+        import torch
+
+        g = torch.Generator().manual_seed(seed + epoch)
+        shard_order = torch.randperm(len(self.shards), generator=g).tolist()
+        # each shard's own order, drawn in manifest order from the same generator (one stream, no seed arithmetic)
+        inner = [torch.randperm(s.samples, generator=g).numpy() + s.first for s in self.shards]
+        seq = np.concatenate([inner[i] for i in shard_order])
+        block = -(-self.samples // world_size)
+        padded = np.resize(seq, block * world_size)  # repeats seq from its start: DistributedSampler's padding
+        return padded.reshape(world_size, block).T.reshape(-1).tolist()
+
+    # ------------------------------------------------------------ the plan and the cache
+    def plan(self, indices) -> None:
+        """The indices this process reads next, in order (its sampler's whole pass). Fetching starts at the
+        first read; shards of the old plan that the new one does not need are dropped."""
+        if os.getpid() != self._pid:  # a forked process: the parent's lock and thread are not ours
+            self._reset_process_state()
+        with self._cond:
+            self._set_plan(list(indices))
+            for s in [s for s in self._cache if s not in self._last_use]:
+                del self._cache[s]
+            self._errors.clear()
+            self._cond.notify_all()
+
+    def _set_plan(self, indices: list[int]) -> None:
+        import numpy as np
+
+        self._plan = indices
+        shards = np.searchsorted(np.asarray(self.firsts), np.asarray(indices, dtype=np.int64), side="right") - 1
+        self._plan_shards = shards.tolist()
+        self._last_use = {s: p for p, s in enumerate(self._plan_shards)}
+        first_use: dict[int, int] = {}
+        for p, s in enumerate(self._plan_shards):
+            first_use.setdefault(s, p)
+        self._first_use = first_use
+        self._fetch_order = list(first_use)  # in the order first needed
+        self._pos = 0  # plan positions read
+        self._reading = False  # fetching starts at the first read of the plan
+        self._generation = getattr(self, "_generation", 0) + 1
+
+    def cached_shards(self) -> list[int]:
+        with self._cond:
+            return sorted(self._cache)
+
+    def __getitem__(self, index: int):
+        if os.getpid() != self._pid:
+            self._reset_process_state()
+        s = self.shard_of(index)
+        if not 0 <= index < self.samples:
+            raise IndexError(f"index {index} out of range for the {self.split} shards ({self.samples} samples)")
+        with self._cond:
+            if self._pos < len(self._plan) and self._plan[self._pos] == index:
+                return self._planned(s, index)
+        return self._unplanned(s, index)
+
+    def _planned(self, s: int, index: int):
+        """Under the lock: the plan's next sample, waiting for its shard; the shard dropped after its last."""
+        pos = self._pos
+        self._pos += 1
+        if not self._reading:
+            self._reading = True
+            self._start_thread()
+        self._cond.notify_all()
+        while s not in self._cache:
+            if s in self._errors:
+                raise self._errors[s]
+            self._cond.wait()
+        sample = self._cache[s][index - self.shards[s].first]
+        if self._last_use[s] == pos:
+            del self._cache[s]
+            self._cond.notify_all()  # room for the next fetch
+        return sample
+
+    def _unplanned(self, s: int, index: int):
+        if self._loose is None or self._loose[0] != s:
+            self._loose = None
+            self._loose = (s, self._load(s))
+        return self._loose[1][index - self.shards[s].first]
+
+    def _start_thread(self) -> None:
+        import threading
+
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._fetch_loop, name=f"shards-{self.split}-prefetch", daemon=True)
+            self._thread.start()
+
+    def _next_fetch(self) -> int | None:
+        """Under the lock: the next shard to fetch: the first of the plan not yet held, needed later than now;
+        one needed now is fetched whatever the cache holds, one ahead only if there is room."""
+        if not self._reading:
+            return None
+        for s in self._fetch_order:
+            if s in self._cache or s in self._errors or self._last_use[s] < self._pos:
+                continue
+            if self._first_use[s] <= self._pos or len(self._cache) + 1 <= self.capacity:
+                return s
+            return None
+        return None
+
+    def _fetch_loop(self) -> None:
+        while True:
+            with self._cond:
+                s = self._next_fetch()
+                while s is None:
+                    self._cond.wait()
+                    s = self._next_fetch()
+                generation = self._generation
+                self._arriving = 1
+                self.peak_cached = max(self.peak_cached, len(self._cache) + 1)
+            try:
+                samples, error = self._load(s), None
+            except BaseException as exc:  # handed to the reader of this shard's samples
+                samples, error = None, exc
+            with self._cond:
+                self._arriving = 0
+                if generation == self._generation:
+                    if error is not None:
+                        self._errors[s] = error
+                    else:
+                        self._cache[s] = samples
+                self._cond.notify_all()
+
+    def _load(self, s: int) -> list:
+        shard = self.shards[s]
+        return [sample for _, sample in iter_shard(self.storage, shard, self.encoding, self.tmp_dir)]

@@ -191,7 +191,7 @@ def worker_main(job: dict, results=None) -> None:
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
     failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
     """
-    from ray_app.errors import Diverged, Preempted, Stopped, UserCodeError
+    from ray_app.errors import Diverged, PluginError, Preempted, ShardError, Stopped, UserCodeError
     from ray_app.plugins import plugin_roots
     from ray_app.progress import RunStats
     from ray_app.storage import open_storage
@@ -216,6 +216,9 @@ def worker_main(job: dict, results=None) -> None:
         if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged)):
             _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
             raise
+        if isinstance(exc, ShardError):  # a shard that does not match its manifest: bad input, not retried
+            _SHOWN_BY_THE_DRIVER.active = True
+            raise PluginError(str(exc)) from None
         unused = unused_parameters_error(exc)
         if unused is not None:  # bad input: the same on every restart; one line at the driver, exit 2
             _SHOWN_BY_THE_DRIVER.active = True
