@@ -185,6 +185,7 @@ class Trainer:
             self.pos, self.resumed_from_step = resumed.pos, resumed.from_step
             self.resumed_checkpoint_unix, self.last_eval = resumed.checkpoint_unix, resumed.last_eval
             self.resumed_tracking = resumed.tracking
+            self.progress.total_steps = self._planned_last_step()
         self._announce()
         self.stats.start_training(self.pos.global_step)
         if self.preemption.enabled:
@@ -204,6 +205,13 @@ class Trainer:
                        checkpoints_written=self.ckpt.written)
         self.metrics.close()
         return summary
+
+    def _planned_last_step(self) -> int:
+        """The global step the run ends at: the steps taken plus the rest at this world size (a run resumed at
+        another world size takes the rest of its epochs in steps of another size)."""
+        p, pos = self.parts, self.pos
+        left_in_epoch = math.ceil((p.batches_per_epoch - pos.batches_done) / self.cfg.train.grad_accum)
+        return pos.global_step + left_in_epoch + p.steps_per_epoch * max(0, self.cfg.train.epochs - pos.epoch - 1)
 
     def _done(self) -> bool:
         return bool(self.cfg.train.max_steps) and self.pos.global_step >= self.cfg.train.max_steps

@@ -260,7 +260,7 @@ def _fit(rank: int, world: int, cfg, crash_after=None):
     return {"summary": summary, "calls": rt.calls, "checkpoint_names": rt.checkpoint_names,
             "resumed_from_step": trainer.resumed_from_step,
             "params": {k: v.clone() for k, v in trainer.module.state_dict().items()},
-            "progress": metrics.progress, "evals": metrics.evals}
+            "progress": metrics.progress, "evals": metrics.evals, "last_step_shown": trainer.progress.total_steps}
 
 
 def _trainer_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:

@@ -394,6 +394,7 @@ def test_a_streamed_run_resumed_mid_epoch_ends_bit_identical(loop_runs):
     assert ref["summary"]["global_step"] == 46 and ref["summary"]["num_samples"] == 359
     assert ref["summary"]["eval_accuracy"] > 0.5
     assert crashed["summary"] is None and resumed["resumed_from_step"] == 25
+    assert resumed["last_step_shown"] == ref["last_step_shown"] == 46
     assert not _same_params(crashed["params"], ref["params"])
     assert _same_params(resumed["params"], ref["params"]) and _same_params(two[1]["resumed"]["params"], ref["params"])
     assert resumed["summary"]["eval_accuracy"] == ref["summary"]["eval_accuracy"]
@@ -413,4 +414,5 @@ def test_streamed_eval_is_exact_and_a_resume_at_three_ranks_finishes_the_epoch(l
     done = 2 * 32 * 2  # epoch 1, 2 batches of 32 on 2 ranks
     left = math.ceil(math.ceil((1438 - done) / 3) / 32)
     assert grown["summary"]["global_step"] == 25 + left and grown["summary"]["num_samples"] == 359
+    assert grown["last_step_shown"] == 25 + left  # progress lines count to the step the run ends at
     assert all(_same_params(three[r]["grown"]["params"], grown["params"]) for r in (1, 2))
