@@ -45,6 +45,13 @@ METHOD = """\
   a private Ray started by the command) against the twin under `torchrun`; the script measures both the same
   way in process. Its time to first step is shown beside the plug-in mode's (`ray-app train`, the same
   workload, the run of case (a)).
+- **Streamed shards** (h, `--cases h`): before the runs, `ray-app data write` packs workload (a)'s synthetic
+  set (4096 + 1024 samples of 12 KB) into 1 MB shards on `moto_server`, an S3 API server on 127.0.0.1 sharing
+  the 2 cores; "streamed" trains with `data.name=shards` and `data.path` there (prefetch 2, the default),
+  "map-style" the same workload from the tensors in memory. Same model, batch and steps; both keep
+  `run.storage` on the same server, so only the data source differs (and with it the epoch's order: the
+  losses are not compared). Figure: the median of the per-round ratios of steady samples/s; the CPU sampler
+  follows both runs' process trees and the S3 server.
 - **Scaling**: the 1-worker runs stop after 48 optimizer steps (`train.max_steps`; same per-worker batch).
 - Medians over the rounds; each round runs every case once, its variants in turn, in reverse order on every
   other round (A B, B A, ...). The machine is shared: the 1-minute load average at each run's start is in the
@@ -260,7 +267,8 @@ def write(out: Path, rows: list[dict], runner, machine: dict, mode: str, results
     (out / "RESULTS.md").write_text("\n".join(body) + "\n")
     results_json.write_text(json.dumps(
         {"machine": machine, "rows": rows, "runs": list(runner.results.values()),
-         "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s}, indent=1, default=str))
+         "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s,
+         "shards_written": runner.shards_written}, indent=1, default=str))
     chart(out / "results.png", rows, runner)
 
 

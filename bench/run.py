@@ -11,7 +11,9 @@ sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
 (g) metrics exporter on vs off; (p) the per-step preemption agreement on vs off, workloads
 of (a) and (b); (t, not in the default set) MLflow tracking to a server that refuses and to one that
 hangs vs no tracking; (s) script mode: the twin itself under `ray-app run`
-vs torchrun, beside the plug-in mode's time to first step; (v, not in the default set) start-up experiments
+vs torchrun, beside the plug-in mode's time to first step; (h, not in the default set) streamed shards:
+samples/s of workload (a) reading its data set as `ray-app data write` shards from moto over loopback vs the
+same samples map-style from memory; (v, not in the default set) start-up experiments
 with bench/variants.py. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
 order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
 """
@@ -65,6 +67,8 @@ WORKLOADS = {
                      "checkpoint.every_steps=16"),
         "startup_steps": 8,
         "one_worker_steps": 48,  # (f) with 1 worker: same per-step work, capped (an epoch has twice the steps)
+        # (h): workload (a)'s 4096 samples of 12 KB (50 MB) in 1 MB shards: 50 train shards, about 25 a rank an epoch
+        "shard_mb": 1.0,
     },
     # smoke: 4 kit processes and 3 twins cover every case (the numbers are not judged)
     "smoke": {
@@ -72,6 +76,7 @@ WORKLOADS = {
                     "data.batch_size=16", "train.epochs=2", "train.log_every_steps=2"),
         "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=8", "data.args.num_samples=256",
                  "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2"),
+        "shard_mb": 0.05,  # (h): 512 samples of 768 bytes in 8 train shards
     },
     # bench/gpu.sh: one GPU, one worker, bf16; resnet50 at 128 px (7.9 GFLOP per sample, forward + backward)
     "gpu": {
@@ -84,6 +89,20 @@ WORKLOADS = {
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,s"
 VARIANT_NAMES = ("kit", "ray-poll", "nice0")
+SHARDS_PREFIX = "bench-shards"  # case (h): the shard set's prefix in the bench's S3 bucket
+
+
+def streamed(overrides: tuple[str, ...], dest: str) -> tuple[str, ...]:
+    """A workload's --set values reading its data set from the shards at ``dest`` instead: the data set's own
+    name and arguments dropped (shards takes a path and prefetch only); batch size, model and the rest kept."""
+    kept = tuple(o for o in overrides if not o.startswith(("data.name=", "data.args.")))
+    return (*kept, "data.name=shards", f"data.path={dest}")
+
+
+def shards_dest(case: str) -> str:
+    from tests.integration.s3server import BUCKET
+
+    return f"s3://{BUCKET}/{SHARDS_PREFIX}/{case}"
 
 
 class Plan:
@@ -92,6 +111,7 @@ class Plan:
     def __init__(self, size: str, variants: tuple[str, ...] = VARIANT_NAMES):
         w = WORKLOADS[size]
         self.smoke, self.gpu = size == "smoke", size == "gpu"
+        self.shard_sets: dict[str, tuple[tuple[str, ...], str, float]] = {}  # case -> (--set, DEST, --shard-mb)
         if self.gpu:
             self._gpu_specs(w)
             return
@@ -134,9 +154,15 @@ class Plan:
             "t": {"off": kit(w["compute"] + off),
                   "refused": kit(w["compute"] + off + (f"tracking.mlflow_uri={down_tracking_server()}",)),
                   "hung": kit(w["compute"] + off + (f"tracking.mlflow_uri={hung_tracking_server()}",))},
+            # streamed shards (not in the default cases: `--cases h`): workload (a) map-style from memory vs the
+            # same samples streamed from moto; both keep run.storage on the same S3 server, so only the data
+            # source differs; the CPU sampler also follows moto_server
+            "h": {"map-style": kit(w["compute"], storage="s3", cpu_sample=True),
+                  "streamed": kit(streamed(w["compute"], shards_dest("h")), storage="s3", cpu_sample=True)},
             # start-up experiments (not in the default cases): bench/variants.py, kit unchanged
             "v": {name: kit(startup, variant=name, launch="cold", cpu_sample=True) for name in variants},
         }
+        self.shard_sets["h"] = (w["compute"], shards_dest("h"), w["shard_mb"])
 
 
     def _smoke_specs(self, w: dict) -> None:
@@ -153,10 +179,12 @@ class Plan:
         k4 = Spec("kit", w["compute"] + ("metrics.enabled=false",), workers=1, launch="warm")
         t1 = Spec("twin", w["compute"] + long + ("checkpoint.every_steps=4",), kill=True)
         t2, t3 = Spec("twin", w["comm"], cpu_sample=True), Spec("twin", w["compute"], workers=1)
+        k5 = Spec("kit", streamed(k4.overrides, shards_dest("h")), workers=1, launch="warm", storage="s3")
+        self.shard_sets["h"] = (w["compute"], shards_dest("h"), w["shard_mb"])
         self.specs = {"a": {"kit": k1, "twin": t1}, "b": {"kit": k3, "twin": t2},
                       "c": {"kit cold": k2, "twin": t1, "kit warm": k1}, "d": {"none": k3, "sync": k1, "async": k2},
                       "e": {"kit": k1, "twin": t1}, "f": {"kit 2": k1, "twin 2": t1, "kit 1": k4, "twin 1": t3},
-                      "g": {"on": k1, "off": k4},
+                      "g": {"on": k1, "off": k4}, "h": {"map-style": k4, "streamed": k5},
                       "s": {"ray-app run": Spec("script", w["comm"]), "torchrun": t2, "ray-app train": k3},
                       "p": {"a on": k4, "a off": Spec("kit", k4.overrides + ("failure.preemption_checkpoint=false",),
                                                       workers=1, launch="warm")}}
@@ -215,6 +243,7 @@ class Runner:
         # process two cases share (case (p)'s "a on" is case (a)'s kit run) never mixes two benches
         self.earlier: dict[str, Runner] = {}
         self.cluster_start_s: list[float] = []
+        self.shards_written: dict[str, dict] = {}  # case -> `ray-app data write`'s summary line
 
     def needs(self, pred) -> bool:
         return any(pred(s) for c in self.cases for s in self.plan.specs[c].values())
@@ -225,6 +254,7 @@ class Runner:
                 from tests.integration.s3server import start_s3_server
 
                 self.ctx.s3 = start_s3_server(self.ctx.workdir / "moto.log")
+                self._write_shards()
             if self.plan.smoke and self.needs(lambda s: s.launch == "warm"):
                 self._cluster_up()
         except BaseException:
@@ -236,6 +266,27 @@ class Runner:
         self._cluster_down()
         if self.ctx.s3 is not None:
             self.ctx.s3.stop()
+
+    def _write_shards(self) -> None:
+        """Pack the data set of each case that streams shards (h) into the S3 server, once, before any run:
+        `ray-app data write DEST` with the workload's --set values, as a user would."""
+        import subprocess
+
+        for case in self.cases:
+            if case not in self.plan.shard_sets:
+                continue
+            overrides, dest, shard_mb = self.plan.shard_sets[case]
+            argv = [str(measure.BIN / "ray-app"), "data", "write", dest, "--config", str(measure.CONFIG),
+                    *measure._sets(overrides), "--shard-mb", str(shard_mb)]
+            t = time.time()
+            proc = subprocess.run(argv, cwd=REPO, env=self.ctx.s3.env(), capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"case ({case}): ray-app data write {dest} failed (exit {proc.returncode}):\n"
+                                   f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            self.shards_written[case] = json.loads(proc.stdout.strip().splitlines()[-1])
+            w = self.shards_written[case]
+            self.log(f"[bench] case ({case}): wrote {w['shards']} shards ({w['train_samples']} + {w['eval_samples']} "
+                     f"samples, {w['bytes'] / 1e6:.1f} MB) to {dest} in {time.time() - t:.0f}s")
 
     def _cluster_up(self) -> None:
         if self.ctx.cluster is None:
@@ -520,6 +571,31 @@ def rows_t(r: Runner) -> list[dict]:
     return out
 
 
+def rows_h(r: Runner) -> list[dict]:
+    """Streamed shards vs map-style: the median of the per-round ratios of steady samples/s (each round ran both
+    back to back), the S3 server's CPU in the streamed runs beside."""
+    st, ms = r.runs("h", "streamed"), r.runs("h", "map-style")
+    q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(st, ms))
+    w = r.shards_written.get("h")
+    where = (f"{w['shards']} shards of {w['bytes'] / 1e6 / w['shards']:.2f} MB on moto, prefetch 2; " if w else "")
+    rows = [_row("h", "streamed shards (data.name=shards from S3 on loopback) vs map-style from memory, workload (a), "
+                 "steady samples/s (ratio from the median per-round ratio)", med(st, "steady_sps"),
+                 med(ms, "steady_sps"), q, ">= 0.9", q is not None and q >= 0.9,
+                 where + paired(st, ms, "steady_sps") + " (streamed / map-style)")]
+    moto, total = parse.median(moto_cpu_s(x) for x in st), parse.median(moto_cpu_s(x, "total") for x in st)
+    if moto is not None:
+        rows.append(_row("h", "CPU seconds of moto_server in a streamed run, start to exit (median; ratio column = its "
+                         "share of the run's CPU, the S3 server's included)", moto, total, parse.ratio(moto, total),
+                         "reported", True, f"map-style runs: {_fmt(parse.median(moto_cpu_s(x) for x in ms))} s"))
+    return rows
+
+
+def moto_cpu_s(run: dict, role: str = "moto_server"):
+    """CPU seconds of the S3 server during a run (or the run's whole, ``total``), from the CPU sampler."""
+    cpu = run.get("cpu_in_run") or {}
+    return cpu.get("total") if role == "total" else (cpu.get("roles") or {}).get(role, [0, None])[1] if cpu else None
+
+
 def rows_gpu_a(r: Runner) -> list[dict]:
     """Case (a) on one GPU: kit vs bare loop, plus model FLOP utilization of each."""
     from bench import flops
@@ -591,7 +667,8 @@ def rows_s(r: Runner) -> list[dict]:
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
-             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "p": rows_p, "s": rows_s, "t": rows_t, "v": rows_v}
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "h": rows_h, "p": rows_p, "s": rows_s,
+             "t": rows_t, "v": rows_v}
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)
@@ -682,6 +759,7 @@ def main(argv=None) -> int:
         attach_earlier(runner, saved.get("earlier", []), lambda c: c in cases and c not in runner.cases)
         runner.cases = [c for c in plan.specs if c in cases]
         runner.cluster_start_s = saved.get("cluster_start_s", [])
+        runner.shards_written = saved.get("shards_written", {})
         machine = saved["machine"]
     else:
         with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
@@ -694,8 +772,8 @@ def main(argv=None) -> int:
         cases = merge(runner, cases, earlier, machine)
     # the figures first: a report that fails to render can be redone with --report-only
     saved_json.write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
-                                      "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s},
-                                     default=str))
+                                      "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s,
+                                      "shards_written": runner.shards_written}, default=str))
     rows = [row for c in cases for row in rows_for(c, runner)]
     report.write(out, rows, runner, machine, mode=mode, results_json=saved_json)
     bad = problems(runner, rows)

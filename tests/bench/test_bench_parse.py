@@ -241,3 +241,35 @@ def test_cpu_by_role_counts_only_up_to_the_first_step():
     assert "ray::DatasetManager" not in got["roles"]
     assert got["total"] == 5.0
     assert list(got["roles"]) == ["ray::RayTrainWorker", "raylet"]
+
+
+def test_case_h_streams_the_same_workload_and_reports_the_median_round_ratio(tmp_path):
+    """(h): the streamed run is workload (a) with data.name=shards on the bench's S3 server, nothing else changed;
+    the row is the median of the per-round streamed / map-style ratios, the S3 server's CPU beside."""
+    from bench.run import Plan, Runner, rows_h
+
+    for size in ("full", "smoke"):
+        plan = Plan(size, ("kit",))
+        local, st = plan.specs["h"]["map-style"], plan.specs["h"]["streamed"]
+        assert st.value("data.name") == "shards" and st.value("data.path") == "s3://ray-app-test/bench-shards/h"
+        assert not any(o.startswith("data.args.") for o in st.overrides)
+        for key in ("model.name", "data.batch_size", "train.epochs", "train.max_steps", "metrics.enabled"):
+            assert st.value(key) == local.value(key), key
+        assert (st.workers, st.launch, st.storage) == (local.workers, local.launch, "s3")
+        overrides, dest, _ = plan.shard_sets["h"]
+        assert dest == st.value("data.path") and overrides[0] == "data.name=synthetic"
+    runner = Runner(Plan("full", ("kit",)), ["h"], 3, tmp_path)
+    sps = {"map-style": (300.0, 320.0, 310.0), "streamed": (285.0, 256.0, 310.0)}  # ratios 0.95, 0.8, 1.0
+    for rnd in range(3):
+        for spec, label in runner.schedule(rnd).items():
+            name = label.split("/")[1].split(" round")[0]
+            run = _fake_run(label, sps[name][rnd])
+            run["cpu_in_run"] = {"total": 100.0, "roles": {"moto_server": [1, 8.0 if name == "streamed" else 0.5]}}
+            runner.results[(spec, rnd)] = run
+    runner.shards_written["h"] = {"shards": 63, "bytes": 63e6}
+    ratio, moto = rows_h(runner)
+    assert ratio["ratio"] == pytest.approx(0.95) and ratio["ok"] and ratio["target"] == ">= 0.9"
+    assert (ratio["kit"], ratio["ref"]) == (285.0, 310.0)
+    assert "63 shards of 1.00 MB" in ratio["note"] and "per round 0.950, 0.800, 1.000" in ratio["note"]
+    assert (moto["kit"], moto["ref"], moto["ratio"]) == (8.0, 100.0, 0.08)
+    assert "map-style runs: 0.5 s" in moto["note"]

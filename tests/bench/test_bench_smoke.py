@@ -5,7 +5,7 @@ still reads the kit's live output. CI runs cases (c) start-up, (d) checkpoint co
 after a SIGKILL, whose figures come from the kit's logs, its exporter and its summary, and checks the
 figures are there and say what happened (a kill resumed, a sync checkpoint blocked, bytes in S3). The
 numbers are not judged (CI machines are shared and small); `make bench` writes them to bench/RESULTS.md.
-`make test-long` runs every case's smoke.
+`make test-long` runs every case's smoke, (h) streamed shards included.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-EVERY_CASE = "abcdefgps"
+EVERY_CASE = "abcdefghps"  # the smoke plan's cases: the default ones and (h), streamed shards
 
 
 def smoke(out: Path, cases: str | None = None) -> dict:
@@ -62,7 +62,7 @@ def test_the_bench_reads_start_up_checkpoints_and_recovery_from_real_runs(tmp_pa
 @pytest.mark.long
 @pytest.mark.timeout(1200)
 def test_every_bench_case_runs_and_writes_well_formed_results(tmp_path):
-    results = smoke(tmp_path)
+    results = smoke(tmp_path, EVERY_CASE)
     assert {r["case"] for r in results["rows"]} == set(EVERY_CASE)
     for row in results["rows"]:
         assert row["kit"] is not None and row["ref"] is not None, row
