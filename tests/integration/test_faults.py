@@ -22,7 +22,7 @@ from tests.integration.faultlib import STEPS_PER_EPOCH, Run, assert_bit_identica
 
 pytestmark = pytest.mark.integration
 
-EPOCHS = 3
+EPOCHS = 10  # ~0.4 s an epoch at 2 workers: a stop sent at step 8 lands well before the end (at 3 it could not)
 HANG_TIMEOUT_S = 15
 WORKLOAD = workload(EPOCHS)
 
