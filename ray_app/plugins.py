@@ -224,9 +224,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key data.path: {cfg.data.name} takes no path argument; "
                           "unset data.path or pass what the factory takes in data.args")
     given = set(cfg.data.args) | ({"path"} if cfg.data.path else set()) | kit_args
-    prefetch = cfg.data.args.get("prefetch", 2)
-    if kit_args and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 64):
-        raise ConfigError(f"config key data.args.prefetch: {prefetch!r}; the shards fetched ahead, an int from 1 to 64")
+    if kit_args:
+        from ray_app.shards import DEFAULT_PREFETCH, prefetch_problem
+
+        problem = prefetch_problem(cfg.data.args.get("prefetch", DEFAULT_PREFETCH))
+        if problem:
+            raise ConfigError(problem)
     missing = sorted(data_p.required - given)
     if missing:
         where = "data.path" if missing == ["path"] else f"data.args.{missing[0]}"

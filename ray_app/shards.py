@@ -560,13 +560,21 @@ def _sha256_file(path: Path) -> tuple[str, int]:
 DEFAULT_PREFETCH = 2  # shards fetched ahead of the one being read: memory holds at most this + 1 decoded shards
 
 
+def prefetch_problem(prefetch) -> str | None:
+    """The one line for a ``data.args.prefetch`` that is not an int from 1 to 64, else None."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 64:
+        return f"config key data.args.prefetch: {prefetch!r}; the shards fetched ahead, an int from 1 to 64"
+    return None
+
+
 def shard_data(path: str, prefetch: int = DEFAULT_PREFETCH, storage_retry_s: float = 0.0):
     """``data.name: shards``: the shard set at ``data.path`` (a folder or ``s3://bucket/prefix``) as
     ``(train, eval, info)``, each split a :class:`ShardDataset` that streams its shards through the kit's
     storage (``storage_retry_s``: the kit passes ``failure.storage_retry_s``, as for checkpoints);
     ``info`` is the manifest's (``num_classes``, ...)."""
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 64:
-        raise ShardError(f"config key data.args.prefetch: {prefetch!r}; shards fetched ahead, an int from 1 to 64")
+    problem = prefetch_problem(prefetch)
+    if problem:
+        raise ShardError(problem)
     storage = open_dest(path, retry_s=storage_retry_s)
     manifest = read_manifest(storage)
     return (ShardDataset(storage, manifest, "train", prefetch), ShardDataset(storage, manifest, "eval", prefetch),
@@ -702,7 +710,8 @@ class ShardDataset:
         if not self._reading:
             self._reading = True
             self._start_thread()
-        self._cond.notify_all()
+        if s not in self._cache:  # needed now: the fetch thread may be waiting for room (no wake-up per sample)
+            self._cond.notify_all()
         while s not in self._cache:
             if s in self._errors:
                 raise self._errors[s]
