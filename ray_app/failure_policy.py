@@ -15,13 +15,15 @@
   committed) ends the run: the driver was told to stop.
 - Everything else (a killed or lost worker, a collective that failed, storage errors) follows Ray
   Train's default policy: restart from the newest checkpoint up to ``failure.max_failures``.
+- A store that did not answer within ``failure.storage_retry_s`` (``StorageUnavailable``, an expected
+  fault) is shown as one line per restart, here, where the decision is made; the workers do not log it.
 """
 
 from __future__ import annotations
 
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
-from ray_app.errors import ConfigError, Diverged, Preempted, Stopped, UserCodeError
+from ray_app.errors import ConfigError, Diverged, Preempted, Stopped, StorageUnavailable, UserCodeError
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
@@ -40,4 +42,10 @@ class KitFailurePolicy(DefaultFailurePolicy):
         self._last_fingerprints = fingerprints
         if recurring:
             return FailureDecision.RAISE
-        return super().make_decision(training_failed_error)
+        decision = super().make_decision(training_failed_error)
+        storage = [e for e in errors if isinstance(e, StorageUnavailable)]
+        if storage and decision == FailureDecision.RETRY:
+            limit = self.failure_config.max_failures
+            print(f"ray-app: {str(storage[0]).strip().splitlines()[0]} (restart {self._worker_group_failures} of "
+                  f"{'unlimited' if limit == -1 else limit}: failure.max_failures)", flush=True)
+        return decision

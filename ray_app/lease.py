@@ -7,7 +7,9 @@ folder, a conditional write on S3 (``If-None-Match: *``; AWS S3, MinIO and moto_
 writer with 412). A thread renews it every quarter of ``run.lease_stale_s``; a lease not renewed for
 ``run.lease_stale_s`` is stale (its driver was killed, its node lost) and the next driver takes it over,
 with one line, by a write conditional on the stale lease (a rename on a local folder, ``If-Match`` on its
-ETag on S3), so of two drivers taking over only one wins. Read-only commands take no lease.
+ETag on S3), so of two drivers taking over only one wins. A lease that missed two renewals (its driver
+most likely gone on another host: a RayJob retried on a new cluster) is waited on until it goes stale,
+with one line, rather than refused. Read-only commands take no lease.
 """
 
 from __future__ import annotations
@@ -228,8 +230,8 @@ def lease_store(storage, run: str):
 class RunLease:
     """A driver's lease on its run: ``acquire``, renewed by a thread, ``release``."""
 
-    def __init__(self, store, where: str, stale_s: float, say=None, clock=time.time):
-        self.store, self.where, self.stale_s, self.clock = store, where, stale_s, clock
+    def __init__(self, store, where: str, stale_s: float, say=None, clock=time.time, sleep=time.sleep):
+        self.store, self.where, self.stale_s, self.clock, self.sleep = store, where, stale_s, clock, sleep
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.token = uuid.uuid4().hex
         self.record: dict = {}
@@ -257,10 +259,14 @@ class RunLease:
             held, version = found
             idle = self.clock() - float(held.get("renewed", 0))
             gone = holder_gone(held)
+            if not gone and self.stale_s / 2 < idle <= self.stale_s:
+                self._wait_until_stale(held, version)  # overdue: its driver is likely gone (a RayJob retry)
+                continue
             if idle <= self.stale_s and not gone:
                 raise RunHeld(f"run {self.where} is held by another driver: {describe(held, self.clock())}; "
                               f"wait for it to end or use another run.name (a driver that is gone loses the "
                               f"lease {self.stale_s:g} s after its last renewal: run.lease_stale_s)")
+            self.record["since"] = self.record["renewed"] = self.clock()  # after a wait: held from now
             if self.store.take_over(self._body(), version):
                 self.version = self._current_version()
                 if self.version is None:
@@ -270,6 +276,24 @@ class RunLease:
                 self.say(f"ray-app: taking over run {self.where} from {describe(held, self.clock())}: {why}")
                 return
         raise RunHeld(f"run {self.where}: another driver is taking its lease at the same time; try again")
+
+    def _wait_until_stale(self, held: dict, version) -> None:
+        """A lease whose driver missed two renewals (it renews every quarter of ``run.lease_stale_s``) is
+        likely left by a driver that is gone on another host: a RayJob retried on a new cluster, a driver
+        restarted by its supervisor. Wait for it to go stale rather than fail (one line); a renewal
+        meanwhile means its driver is alive: ``RunHeld``."""
+        deadline = float(held.get("renewed", 0)) + self.stale_s
+        self.say(f"ray-app: run {self.where} is held by {describe(held, self.clock())}, which missed its "
+                 f"renewals; waiting {max(0.0, deadline - self.clock()):.0f} s for the lease to go stale "
+                 "(run.lease_stale_s)")
+        while self.clock() <= deadline:
+            self.sleep(min(1.0, max(0.05, deadline - self.clock() + 0.01)))
+            found = self.store.read()
+            if found is None:
+                return  # released meanwhile: take it
+            if found[1] != version:
+                raise RunHeld(f"run {self.where} is held by another driver: {describe(found[0], self.clock())}; "
+                              "wait for it to end or use another run.name")
 
     def _current_version(self):
         found = self.store.read()
@@ -303,10 +327,13 @@ class RunLease:
         self._thread = threading.Thread(target=loop, name="ray-app-lease", daemon=True)
         self._thread.start()
 
-    def release(self) -> None:
+    def stop_renewing(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def release(self) -> None:
+        self.stop_renewing()
         if self.version is not None and not self._lost:
             with contextlib.suppress(Exception):
                 self.store.delete(self.version)

@@ -118,6 +118,7 @@ def _worker_logging() -> None:
         app_log.setLevel(logging.INFO)
         app_log.propagate = False
     _quiet_report_log()
+    logging.getLogger("botocore.credentials").setLevel(logging.WARNING)  # "Found credentials ..." per worker
 
 
 def enter_project(folder: str) -> None:
@@ -191,7 +192,7 @@ def worker_main(job: dict, results=None) -> None:
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
     failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
     """
-    from ray_app.errors import Diverged, PluginError, Preempted, ShardError, Stopped, UserCodeError
+    from ray_app.errors import Diverged, PluginError, Preempted, ShardError, Stopped, StorageUnavailable, UserCodeError
     from ray_app.plugins import plugin_roots
     from ray_app.progress import RunStats
     from ray_app.storage import open_storage
@@ -213,8 +214,9 @@ def worker_main(job: dict, results=None) -> None:
         else:
             result, trainer = _train(cfg, runtime, stats, job.get("tracking_key", cfg.run.name))
     except Exception as exc:
-        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged)):
-            _SHOWN_BY_THE_DRIVER.active = True  # shown once by the driver, or (Preempted) a restart
+        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged, StorageUnavailable)):
+            # shown once by the driver; a restart (Preempted; StorageUnavailable: one line by the failure policy)
+            _SHOWN_BY_THE_DRIVER.active = True
             raise
         if isinstance(exc, ShardError):  # a shard that does not match its manifest: bad input, not retried
             _SHOWN_BY_THE_DRIVER.active = True

@@ -1,7 +1,8 @@
 """A TCP proxy on 127.0.0.1 in front of a real server, which can go dark: an object-store outage.
 
 ``OutageProxy(host, port)`` forwards every connection to the server. ``arm(pattern, seconds, nth)``
-makes the ``nth`` client request matching ``pattern`` (bytes, a regex) start an outage of ``seconds``:
+makes the ``nth`` client request matching ``pattern`` (bytes, a regex) start an outage of ``seconds`` (several
+patterns may be armed at once, each fires once):
 open connections are reset and the listening socket is closed, so new connections are refused
 (ECONNREFUSED) until it listens again on the same port. ``outages`` records (start, end) times.
 """
@@ -24,8 +25,7 @@ class OutageProxy:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._down_until = 0.0
-        self._armed: tuple[re.Pattern, float, int] | None = None
-        self._matches = 0
+        self._armed: list[list] = []  # [pattern, seconds, nth, matches so far]
         self.outages: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -44,7 +44,7 @@ class OutageProxy:
 
     def arm(self, pattern: bytes, seconds: float, nth: int = 1) -> None:
         with self._lock:
-            self._armed, self._matches = (re.compile(pattern), seconds, nth), 0
+            self._armed.append([re.compile(pattern), seconds, nth, 0])
 
     def outage(self, seconds: float) -> None:
         """Reset every open connection and refuse new ones for ``seconds``."""
@@ -111,13 +111,17 @@ class OutageProxy:
 
     def _trigger(self, data: bytes) -> bool:
         with self._lock:
-            if self._armed is None or not self._armed[0].search(data):
+            fired = None
+            for armed in self._armed:
+                if armed[0].search(data):
+                    armed[3] += 1
+                    if armed[3] >= armed[2]:
+                        fired = armed
+                        break
+            if fired is None:
                 return False
-            self._matches += 1
-            if self._matches < self._armed[2]:
-                return False
-            seconds, self._armed = self._armed[1], None
-        self.outage(seconds)
+            self._armed.remove(fired)
+        self.outage(fired[1])
         return True
 
     def close(self) -> None:

@@ -99,15 +99,24 @@ def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
 
 
 def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_checkpoint(s3, proxy):
+    """And a second outage while the restarted group restores (its first read of the newest committed
+    checkpoint): a storage error is never taken for a bad checkpoint, so the run still resumes from it.
+    Each restart is one line; no traceback."""
     run = "dark"
     proxy.arm(MODEL_PUT, 30, nth=2)
+    proxy.arm(rb"GET /[^ ]*/ckpt-s000000008-[^ /]*/", 12)  # only a restore reads a committed checkpoint
     rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
                             "--set", "failure.storage_retry_s=5", "--set", "failure.max_failures=10", *WORKLOAD],
                            s3.env(endpoint=proxy.endpoint))
     text = out + err
     assert rc == 0, text[-4000:]
-    assert len(proxy.outages) == 1
-    assert "no answer for" in text and "the worker group restarts from the newest committed checkpoint" in text
+    assert len(proxy.outages) == 2, "the restore's read of the newest committed checkpoint never came"
+    restarts = re.findall(r"ray-app: storage \S+ at \S+ no answer for \d+ s during .*; the worker group restarts "
+                          r"from the newest committed checkpoint \(restart (\d+) of 10: failure\.max_failures\)", text)
+    # the upload's outage, then the restore's, each restart one line
+    assert len(restarts) >= 2 and restarts == [str(i) for i in range(1, len(restarts) + 1)], text[-4000:]
+    assert "Traceback" not in text and "Error in training function" not in text, text[-4000:]
+    assert "skipping checkpoint s3://" not in text or "ckpt-s000000008" not in text.split("skipping")[-1][:200]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert summary["resumed_from_step"] == 8, summary  # the first checkpoint: the second never committed

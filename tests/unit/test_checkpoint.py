@@ -462,6 +462,45 @@ def test_a_restore_reads_every_byte_of_the_checkpoint_once(storage):
     assert len(warnings) == 1 and "sha256 mismatch in model.pt" in warnings[0]
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    from tests.integration.s3server import start_s3_server
+
+    server = start_s3_server(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_restore_from_s3_fetches_every_byte_of_the_checkpoint_once(s3, tmp_path, monkeypatch):
+    """The same on a real S3 API server: every GET's body size counted as the server sends it."""
+    from ray_app.storage import S3Storage
+
+    for key, value in s3.env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    storage = S3Storage(f"s3://{s3.bucket}/byte-count", retry_s=10)
+    rels = []
+    for step, seed in ((10, 1), (20, 2)):
+        local = tmp_path / f"local-{step}"
+        write_checkpoint_dir(local, tiny_payload(step, seed))
+        rels.append(f"{RUN}/{checkpoint_dir_name(step)}")
+        upload_checkpoint_dir(local, storage, rels[-1])
+    fetched: dict[str, list[int]] = {}
+
+    def before(params, context, **_):
+        context["counted_key"] = params["url_path"].split("/byte-count/", 1)[-1]
+
+    def after(parsed, context, **_):
+        fetched.setdefault(context["counted_key"], []).append(parsed["ContentLength"])
+
+    storage.client.meta.events.register("before-call.s3.GetObject", before)
+    storage.client.meta.events.register("after-call.s3.GetObject", after)
+    loaded = Checkpointer(storage, RUN, report=None).restore(rank=1)
+    assert loaded.state["global_step"] == 20
+    assert fetched == {f"{rels[1]}/{name}": [size] for name, size in storage.list_files(rels[1]).items()}, fetched
+
+
 @pytest.mark.timeout(30)
 def test_evaluation_and_export_read_the_model_state_and_config_once(storage):
     rel = commit(storage, 10)

@@ -14,9 +14,9 @@ from ray_app.lease import LEASE_FILE, LocalLeaseFile, RunLease, held_run
 from ray_app.storage import LocalStorage
 
 
-def _lease(tmp_path, stale_s=30.0, said=None, clock=time.time):
+def _lease(tmp_path, stale_s=30.0, said=None, clock=time.time, sleep=time.sleep):
     return RunLease(LocalLeaseFile(tmp_path / "run"), str(tmp_path / "run"), stale_s,
-                    say=(said.append if said is not None else lambda m: None), clock=clock)
+                    say=(said.append if said is not None else lambda m: None), clock=clock, sleep=sleep)
 
 
 @pytest.mark.timeout(30)
@@ -60,16 +60,47 @@ def test_a_lease_not_renewed_for_the_stale_time_is_taken_over_with_one_line(tmp_
     now = [1000.0]
     gone = _lease(tmp_path, stale_s=10, clock=lambda: now[0])
     gone.acquire()  # then its driver is SIGKILLed: no release, no renewal
-    now[0] += 9
+    now[0] += 4  # within two renewals (every 2.5 s): its driver may well be alive
     with pytest.raises(RunHeld):
         _lease(tmp_path, stale_s=10, clock=lambda: now[0]).acquire()
-    now[0] += 2
+    now[0] += 7
     said = []
     heir = _lease(tmp_path, stale_s=10, said=said, clock=lambda: now[0])
     heir.acquire()
     assert len(said) == 1 and "taking over" in said[0] and "not renewed for 11 s" in said[0]
     assert json.loads((tmp_path / "run" / LEASE_FILE).read_bytes())["token"] == heir.token
     assert gone.renew() is False  # the old holder, were it alive, finds it is no longer its lease
+
+
+@pytest.mark.timeout(30)
+def test_a_lease_that_missed_its_renewals_is_waited_on_until_stale_and_a_renewal_ends_the_wait(tmp_path):
+    """A RayJob retried on a new cluster finds its first driver's lease, renewed 7 s ago of 10: not yet
+    stale, but two renewals missed. It waits (one line) until the lease is stale and takes it over; had
+    the holder renewed meanwhile, it is alive, and the second driver is refused."""
+    now = [1000.0]
+
+    def sleep(s):
+        now[0] += s
+
+    gone = _lease(tmp_path, stale_s=10, clock=lambda: now[0])
+    gone.acquire()
+    now[0] += 7
+    said = []
+    heir = _lease(tmp_path, stale_s=10, said=said, clock=lambda: now[0], sleep=sleep)
+    heir.acquire()
+    assert now[0] > 1010 and now[0] < 1012, now[0]  # waited until stale, not longer
+    assert len(said) == 2 and "missed its renewals; waiting 3 s" in said[0] and "taking over" in said[1], said
+    assert json.loads((tmp_path / "run" / LEASE_FILE).read_bytes())["token"] == heir.token
+
+    def renewing_sleep(s):  # the holder was only slow: it renews while the second driver waits
+        now[0] += s
+        alive.renew()
+
+    alive = heir
+    now[0] += 7
+    with pytest.raises(RunHeld, match="held by another driver"):
+        _lease(tmp_path, stale_s=10, clock=lambda: now[0], sleep=renewing_sleep).acquire()
+    assert json.loads((tmp_path / "run" / LEASE_FILE).read_bytes())["token"] == alive.token
 
 
 @pytest.mark.timeout(30)
