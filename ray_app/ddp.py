@@ -96,6 +96,18 @@ class StreamedShardSampler(ResumableDistributedSampler):
         return iter(mine)
 
 
+class EvalSampler(DistributedSampler):
+    """DistributedSampler's eval order (no shuffle, the last round padded with the first samples), yielded
+    one index at a time: position p of the padded order is sample p % n, dealt to rank p % W. Its
+    ``__iter__`` builds no list of all n indices at every evaluation pass (O(1) memory, not O(n))."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas, rank, shuffle=False, drop_last=False)
+
+    def __iter__(self):
+        return map(len(self.dataset).__rmod__, range(self.rank, self.total_size, self.num_replicas))
+
+
 class BlockEvalSampler(Sampler):
     """Eval over streamed shards, in index order: rank r of W reads the r-th of W contiguous blocks of
     ceil(n / W) indices (so each eval shard is fetched by one rank, or two where a block boundary cuts it),
@@ -134,7 +146,7 @@ def data_samplers(train_set, eval_set, world: int, rank: int, seed: int):
         eval_sampler = BlockEvalSampler(eval_set, world, rank)
         return StreamedShardSampler(train_set, world, rank, seed=seed), eval_sampler, eval_sampler.keep, True
     train = ResumableDistributedSampler(train_set, world, rank, shuffle=True, seed=seed, drop_last=False)
-    eval_sampler = DistributedSampler(eval_set, world, rank, shuffle=False, drop_last=False)
+    eval_sampler = EvalSampler(eval_set, world, rank)
     # DistributedSampler deals position p of the padded order to rank p % world; positions past the
     # data set's end are the padding (repeats of its first samples)
     keep = torch.arange(eval_sampler.num_samples) * world + rank < len(eval_set)
