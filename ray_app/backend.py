@@ -19,15 +19,18 @@ from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.util import TrainingFramework
 
-SHUTDOWN_TIMEOUT_S = 30.0
-
 
 @dataclass
 class KitTorchConfig(BackendConfig):
-    """``backend``: ``gloo`` or ``nccl``; ``timeout_s``: every collective's timeout."""
+    """``backend``: ``gloo`` or ``nccl``; ``timeout_s``: every collective's timeout; ``shutdown_timeout_s``:
+    how long tearing the group down waits for its ranks to destroy their process group. A rank stuck in
+    a collective with a lost or stopped peer never answers, and the restart waits this long for it (Ray's
+    ``TorchConfig`` waits ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S``, 30 s, read where its controller
+    runs: on a cluster, an environment the job does not set). A healthy rank answers in milliseconds."""
 
     backend: str = "gloo"
     timeout_s: int = 1800
+    shutdown_timeout_s: float = 5.0
 
     @property
     def backend_cls(self):
@@ -118,6 +121,6 @@ class KitTorchBackend(Backend):
 
         try:
             ray.get(worker_group.execute_async(_shut_down, destroy=len(worker_group) > 1),
-                    timeout=SHUTDOWN_TIMEOUT_S)
+                    timeout=backend_config.shutdown_timeout_s)
         except GetTimeoutError:
             pass  # a rank that does not answer is being torn down with its group anyway

@@ -51,6 +51,9 @@ def _quiet_ray_env() -> None:
 _quiet_ray_env()  # at import: Ray reads some of these when it is first imported
 
 
+ELASTIC_START_TIMEOUT_S = 20.0
+
+
 def init_ray(cfg: Config) -> None:
     """Join the cluster at RAY_ADDRESS, else start a local Ray sized to this machine."""
     import ray
@@ -61,6 +64,12 @@ def init_ray(cfg: Config) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # workers' print() goes to stdout as written, not through a logger
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # one actor less to start
     os.environ.update(hang_env(cfg.failure.hang_timeout_s))
+    if cfg.scaling.min_workers and cfg.scaling.min_workers < cfg.scaling.num_workers:
+        # elastic: a group is sized to the workers Ray's resource view has ready, and placing it takes a
+        # moment. Just after a node is lost that view still counts it (until Ray's health checks find the
+        # node dead and the autoscaling coordinator's next tick, every 20 s): the group asked for is then
+        # one worker too big, and Ray Train waits its start timeout (60 s) before asking again.
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", f"{ELASTIC_START_TIMEOUT_S:g}")
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
@@ -130,11 +139,10 @@ def hang_env(hang_timeout_s: float) -> dict[str, str]:
     """How long Ray Train waits on a rank that makes no progress (``failure.hang_timeout_s``; the process
     group's collective timeout is set with it in ``build_trainer``): a worker whose process answers no
     health check (stopped, or its interpreter wedged), and its barriers (``ray.train.report``). Ray Train
-    copies these to its controller and workers. Tearing down a group with a stopped worker waits on
-    its process group's shutdown: 5 s instead of 30 (read where Ray runs: a local Ray started here)."""
+    copies these to its controller and workers. (Tearing down a group with a stopped or orphaned rank
+    waits ``KitTorchConfig.shutdown_timeout_s`` on its process group, wherever Ray runs.)"""
     seconds = f"{hang_timeout_s:g}"
-    return {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": seconds, "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": seconds,
-            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5"}
+    return {"RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": seconds, "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": seconds}
 
 
 def min_workers(cfg: Config) -> int:

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -102,7 +103,8 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
 
     world, rank, bs = runtime.world_size, runtime.rank, cfg.data.batch_size
     train_sampler, eval_sampler, eval_keep, streamed = data_samplers(train_set, eval_set, world, rank, cfg.run.seed)
-    eval_indices = torch.tensor(list(iter(eval_sampler)))
+    # int64 from the sampler's iterator: no Python list of this rank's indices on the way
+    eval_indices = torch.from_numpy(np.fromiter(iter(eval_sampler), dtype=np.int64, count=len(eval_sampler)))
     loader_gen = torch.Generator()  # reseeded every epoch: never touches the global RNG
     pin = runtime.device.type == "cuda"
     workers = 0 if streamed else cfg.data.loader_workers  # streamed shards: one prefetch thread per rank

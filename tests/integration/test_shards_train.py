@@ -2,7 +2,8 @@
 workers): digits packed by `ray-app data write` into s3://, trained with `data.name=shards`; one worker
 SIGKILLed mid-epoch, Ray Train restarts the group from the newest checkpoint, and the run ends on the
 uninterrupted run's parameters, bit for bit. Then a run at 3 workers starts from that run's mid-epoch
-checkpoint (saved at 2): the rest of the epoch is re-sharded over 3 and the evaluation stays exact."""
+checkpoint (saved at 2): the rest of the epoch is re-sharded over 3 and the evaluation stays exact. Last, a
+shard whose bytes changed ends a run as bad input found by a worker: exit 2, one line naming it, no restart."""
 
 from __future__ import annotations
 
@@ -75,8 +76,21 @@ def test_a_run_from_s3_shards_killed_mid_epoch_ends_bit_identical(tmp_path, monk
         grow = Run(["--set", "run.name=grow", *workload(s3, tmp_path), "--set", "scaling.num_workers=3",
                     "--set", "scaling.cpus_per_worker=0.5", "--set", f"run.resume_from={mid_epoch}"])
         assert grow.wait() == 0, grow.text[-5000:]
+
+        # one train shard's bytes changed after the manifest (its size kept, so only its sha256 tells):
+        # the worker that fetches it ends the run as bad input, once, with one line naming it
+        shard = sorted(k for k in keys if "/train" in k and k.endswith(".parquet"))[3]
+        client = s3.client()
+        body = bytearray(client.get_object(Bucket=s3.bucket, Key=shard)["Body"].read())
+        body[len(body) // 2] ^= 0x01
+        client.put_object(Bucket=s3.bucket, Key=shard, Body=bytes(body))
+        bad = Run(["--set", "run.name=bad", *workload(s3, tmp_path), "--set", "failure.max_failures=3"])
+        assert bad.wait() == 2, bad.text[-4000:]
     finally:
         s3.stop()
+    lines = [ln for ln in bad.text.splitlines() if ln.startswith("ray-app:")]
+    assert len(lines) == 1 and shard.rsplit("/", 1)[-1] in lines[0] and "sha256" in lines[0], bad.text[-4000:]
+    assert "Traceback" not in bad.text and bad.text.count("rank 0/2 on host") == 1, bad.text[-4000:]  # no restart
     grown = summary_of(grow.text)
     start = grown["resumed_from_step"]
     assert start == killed_after, (start, killed_after)
