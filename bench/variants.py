@@ -32,7 +32,7 @@ VARIANTS = {
               "Ray's worker processes (controller, train workers) at nice 0 like Ray's own daemons "
               "(default 15)"),
     "ray-poll": ({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}, None,
-                 "Ray Train's controller polls the workers every 2 s (Ray's default; the kit sets 0.5 s: a finished "
+                 "Ray Train's controller polls the workers every 2 s (Ray's default; the kit sets 0.1 s: a finished "
                  "run ends and a dead worker is seen sooner)"),
 }
 
