@@ -20,7 +20,7 @@ import uuid
 
 from ray_app.config import Config, config_from_dict
 from ray_app.errors import ConfigError, RunInterrupted, RunStopped, TrainingFailed, UserError
-from ray_app.worker import worker_main
+from ray_app.worker import ResultSlot, worker_main
 
 
 def _process_start_unix() -> float:
@@ -351,22 +351,12 @@ def _check_resume(cfg: Config, storage) -> None:
                         "from this one), or set these keys back")
 
 
-def driver_node_queue():
-    """A Ray queue pinned to the driver's node (0 CPUs): it must outlive any worker node's death."""
-    import ray
-    from ray.util.queue import Queue
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-
-
 def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) -> dict:
     """Start Ray (or join it), run the worker group, return rank 0's result.
 
     Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
     resume that trains nothing, empty with checkpoints off or in eval. Rank 0 hands over its result
-    through a queue instead.
+    through Ray's key-value store instead (``ray_app.worker.ResultSlot``).
     """
     # the driver's own torch and Ray Train imports run while ray.init waits on the processes it starts
     imports = import_in_background("torch", "ray.train.torch", "ray_app.failure_policy", "ray_app.scaling_policy")
@@ -378,9 +368,10 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
 
     from ray_app.preemption import stop_on_sigterm
 
-    results = driver_node_queue()
+    launch_key = uuid.uuid4().hex
+    results = ResultSlot(launch_key)
     # tracking_key: the same for every worker-group restart of this launch (its MLflow run, before a checkpoint has its id)
-    job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=uuid.uuid4().hex)
+    job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=launch_key)
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     signals: list[int] = []
@@ -397,9 +388,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     except ray.exceptions.RayActorError as exc:  # Ray Train's controller died (its storage set-up gave up)
         ray.shutdown()
         raise TrainingFailed(controller_failure(exc)) from None
-    final = None
-    while error is None and not results.empty():
-        final = results.get(timeout=30)
+    final = results.take() if error is None else None
     ray.shutdown()  # stop streaming worker logs so the summary really is the last line
     if error is not None:
         raise_worker_failure(error, interrupted=bool(signals) and signals[0] == signal.SIGINT)

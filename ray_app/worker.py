@@ -18,6 +18,35 @@ from ray_app.config import Config, config_from_dict
 from ray_app.errors import ConfigError, DataPipelineError
 
 
+class ResultSlot:
+    """Where rank 0 leaves its result for the driver: one key in Ray's key-value store (the GCS), named for
+    one launch. Ray Train's own ``Result.metrics`` are those of the last report with a checkpoint: stale
+    after a resume that trains nothing, empty with checkpoints off or in eval. (It replaced a Ray queue
+    actor: one process less to start before the first step.)"""
+
+    def __init__(self, launch_key: str):
+        self.key = f"ray_app:result:{launch_key}".encode()
+
+    def put(self, result: dict) -> None:
+        import pickle
+
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.key, pickle.dumps(result), overwrite=True)
+
+    def take(self) -> dict | None:
+        """The result rank 0 left (the last one, after restarts), removed; None if there is none."""
+        import pickle
+
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(self.key)
+        if raw is None:
+            return None
+        internal_kv._internal_kv_del(self.key)
+        return pickle.loads(raw)
+
+
 class RayRuntime:
     """Topology and Ray Train calls, read in one place."""
 
@@ -185,8 +214,7 @@ def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dic
 
 def worker_main(job: dict, results=None) -> None:
     """Entry point of every Ray Train worker, for ``train``, ``eval`` and ``run`` (mode ``script``: the
-    user's own script, see ``ray_app.script``). Rank 0 puts its result on ``results`` (a Ray queue on the
-    driver's node).
+    user's own script, see ``ray_app.script``). Rank 0 puts its result on ``results`` (a ``ResultSlot``).
 
     An exception raised in the user's plug-in code is re-raised as a ``UserCodeError`` that carries its
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
