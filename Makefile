@@ -35,7 +35,7 @@ test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e ne
 	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
 
 .PHONY: test-long
-test-long: venv ## The soaks and long variants CI leaves out: chaos with 20 faults, every bench case's smoke, the MLflow server run (about an hour)
+test-long: venv ## The soaks and long variants CI leaves out: chaos with 20 faults, every bench case's smoke (about an hour)
 	$(PY) -m pytest tests -m long --durations=25 $(PYTEST_ARGS)
 
 ##@ Test tiers (each one folder of tests/; PYTEST_ARGS="-k s3" to select)
