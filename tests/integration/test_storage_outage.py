@@ -100,8 +100,9 @@ def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
 
 def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_checkpoint(s3, proxy):
     """And a second outage while the restarted group restores (its first read of the newest committed
-    checkpoint): a storage error is never taken for a bad checkpoint, so the run still resumes from it.
-    Each restart is one line; no traceback."""
+    checkpoint): the run still resumes from that checkpoint. Each restart is one line; no traceback.
+    (Which rank's call meets the outage first is timing: that a storage error is never taken for a
+    damaged checkpoint is tests/unit/test_checkpoint.py's.)"""
     run = "dark"
     proxy.arm(MODEL_PUT, 30, nth=2)
     proxy.arm(rb"GET /[^ ]*/ckpt-s000000008-[^ /]*/", 12)  # only a restore reads a committed checkpoint
