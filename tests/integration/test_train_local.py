@@ -117,10 +117,13 @@ def test_training_the_same_run_again_resumes(trained, train):
 @pytest.mark.timeout(300)
 def test_a_diverging_run_ends_with_one_line_and_exit_1(run_cli, tmp_path, port_picker):
     """`--set train.lr=1e6` (what a user tries): the run stops at the step its loss turns non-finite, exit 1,
-    one line naming that step, no traceback; no checkpoint it left holds a non-finite parameter."""
+    one line naming that step, no traceback; no checkpoint it left holds a non-finite parameter. With
+    `checkpoint.keep=1` and a checkpoint every step, the newest good one survives the divergence and the
+    line names it."""
     rc, out, err = run_cli(["train", "--set", f"run.storage={tmp_path}", "--set", "run.name=diverge",
                             "--set", "train.lr=1e6", "--set", "train.epochs=1", "--set", "checkpoint.every_steps=1",
-                            "--set", f"metrics.port={port_picker()}"], env=LOCAL_ENV, timeout=240)
+                            "--set", "checkpoint.keep=1", "--set", f"metrics.port={port_picker()}"],
+                           env=LOCAL_ENV, timeout=240)
     assert rc == 1, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     last = err.strip().splitlines()[-1]
     assert last.startswith("ray-app: training failed: training diverged at step "), err[-3000:]
@@ -128,6 +131,10 @@ def test_a_diverging_run_ends_with_one_line_and_exit_1(run_cli, tmp_path, port_p
     for model in (tmp_path / "diverge").glob("ckpt-s*/model.pt"):
         state = torch.load(model, weights_only=True)
         assert all(bool(torch.isfinite(t).all()) for t in state.values()), model
+    diverged_at = int(last.split("training diverged at step ")[1].split(":")[0])
+    committed = [m.parent for m in (tmp_path / "diverge").glob("ckpt-s*/manifest.json")]
+    assert len(committed) == 1 and f"newest good checkpoint: {committed[0]}" in last, (committed, last)
+    assert int(committed[0].name.removeprefix("ckpt-s").split("-")[0]) < diverged_at, (committed, last)
 
 
 @pytest.mark.timeout(180)
