@@ -462,15 +462,6 @@ def test_a_restore_reads_every_byte_of_the_checkpoint_once(storage):
     assert len(warnings) == 1 and "sha256 mismatch in model.pt" in warnings[0]
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from tests.integration.s3server import start_s3_server
-
-    server = start_s3_server(tmp_path_factory.mktemp("moto") / "moto.log")
-    yield server
-    server.stop()
-
-
 @pytest.mark.timeout(60)
 def test_a_restore_from_s3_fetches_every_byte_of_the_checkpoint_once(s3, tmp_path, monkeypatch):
     """The same on a real S3 API server: every GET's body size counted as the server sends it."""

@@ -19,7 +19,6 @@ from ray_app import cli, shards
 from ray_app.data import digits, synthetic
 from ray_app.errors import ShardError
 from ray_app.storage import LocalStorage, open_storage
-from tests.integration.s3server import start_s3_server
 
 SYNTHETIC = ["--set", "data.name=synthetic", "--set", "data.args.num_samples=160", "--set", "data.args.image_size=8"]
 
@@ -264,13 +263,6 @@ def test_a_dest_that_is_no_folder_or_s3_prefix_is_one_line_and_exit_2(ray_app, d
 
 
 # ---------------------------------------------------------------- on S3
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = start_s3_server(tmp_path_factory.mktemp("moto") / "moto.log")
-    yield server
-    server.stop()
-
 
 @pytest.mark.timeout(60)
 def test_shards_are_written_verified_and_read_back_on_s3(ray_app, s3):
