@@ -164,6 +164,29 @@ class Stopped(RuntimeError):
     """Every rank raises this after the checkpoint of a stop request is committed: the run ends there."""
 
 
+class PeerLost(RuntimeError):
+    """A collective (gloo, NCCL) failed because another rank is gone (killed, its node lost, or ended by
+    an error of its own), or a worker failed after the group was told to leave: a consequence, not a
+    cause. The worker group restarts (Ray Train's policy); the cause is shown where it happened, and
+    this worker's traceback is not."""
+
+    PATTERNS = ("gloo/transport", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator was aborted")
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int, leaving: bool) -> PeerLost | None:
+        """``exc`` as a lost peer: a distributed backend's error or one of its known messages, or any
+        error of a worker that was already ``leaving`` (a notice or the group's teardown came first)."""
+        try:
+            from torch.distributed import DistError
+        except ImportError:  # pragma: no cover - torch always has it
+            DistError = ()  # noqa: N806
+        text = str(exc)
+        if not (leaving or isinstance(exc, DistError) or any(p in text for p in cls.PATTERNS)):
+            return None
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+        return cls(f"rank {rank} lost a peer: {type(exc).__name__}: {first[:300]}")
+
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 128 + signal.SIGTERM, 130
 BAD_INPUT = (ConfigError, StorageError, CheckpointError, ShardError, UserError, RunHeld)  # one line naming the key or resource
 

@@ -17,13 +17,18 @@
   Train's default policy: restart from the newest checkpoint up to ``failure.max_failures``.
 - A store that did not answer within ``failure.storage_retry_s`` (``StorageUnavailable``, an expected
   fault) is shown as one line per restart, here, where the decision is made; the workers do not log it.
+- Every other restart is one line too, naming its cause: a worker's own error (a killed process, a lost
+  node) before the ranks that only lost a peer in a collective (``PeerLost``, whose tracebacks the workers
+  do not log), or the controller's (a group that did not start in time).
 """
 
 from __future__ import annotations
 
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
+from ray.train.v2.api.exceptions import ControllerError
 
-from ray_app.errors import ConfigError, Diverged, Preempted, Stopped, StorageUnavailable, UserCodeError
+from ray_app.errors import ConfigError, Diverged, PeerLost, Preempted, Stopped, StorageUnavailable, UserCodeError
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
@@ -43,9 +48,38 @@ class KitFailurePolicy(DefaultFailurePolicy):
         if recurring:
             return FailureDecision.RAISE
         decision = super().make_decision(training_failed_error)
+        if decision != FailureDecision.RETRY or fingerprints:  # the user's error: shown once, by the driver
+            return decision
+        limit = self.failure_config.max_failures
+        restart = f"restart {self._worker_group_failures} of {'unlimited' if limit == -1 else limit}: failure.max_failures"
         storage = [e for e in errors if isinstance(e, StorageUnavailable)]
-        if storage and decision == FailureDecision.RETRY:
-            limit = self.failure_config.max_failures
-            print(f"ray-app: {str(storage[0]).strip().splitlines()[0]} (restart {self._worker_group_failures} of "
-                  f"{'unlimited' if limit == -1 else limit}: failure.max_failures)", flush=True)
+        if storage:
+            print(f"ray-app: {_first_line(storage[0])} ({restart})", flush=True)
+            return decision
+        cause = _cause(training_failed_error, errors)
+        if cause:
+            if _is_preemption_failure(training_failed_error):
+                restart = "a preemption: not counted against failure.max_failures"
+            elif isinstance(training_failed_error, ControllerError):
+                restart = f"{self._controller_failures} of the controller's retries"
+            print(f"ray-app: {cause}; the worker group restarts from the newest committed checkpoint ({restart})",
+                  flush=True)
         return decision
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)[:300]
+
+
+def _cause(training_failed_error, errors: list) -> str:
+    """One line naming why a worker group failed: a worker's own error before a rank that only lost its
+    peers (``PeerLost``), or the controller's (a group that did not start in time)."""
+    if isinstance(training_failed_error, ControllerError):
+        failure = getattr(training_failed_error, "controller_failure", training_failed_error)
+        return f"{type(failure).__name__}: {_first_line(failure)}"
+    ranked = sorted((getattr(training_failed_error, "worker_failures", None) or {}).items(),
+                    key=lambda item: isinstance(item[1], PeerLost))
+    if not ranked:
+        return ""
+    rank, error = ranked[0]
+    return _first_line(error) if isinstance(error, PeerLost) else f"rank {rank}: {type(error).__name__}: {_first_line(error)}"

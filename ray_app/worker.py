@@ -220,7 +220,8 @@ def worker_main(job: dict, results=None) -> None:
     traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
     failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
     """
-    from ray_app.errors import Diverged, PluginError, Preempted, ShardError, Stopped, StorageUnavailable, UserCodeError
+    from ray_app import preemption
+    from ray_app.errors import Diverged, PeerLost, PluginError, Preempted, ShardError, Stopped, StorageUnavailable, UserCodeError
     from ray_app.plugins import plugin_roots
     from ray_app.progress import RunStats
     from ray_app.storage import open_storage
@@ -253,13 +254,20 @@ def worker_main(job: dict, results=None) -> None:
         if unused is not None:  # bad input: the same on every restart; one line at the driver, exit 2
             _SHOWN_BY_THE_DRIVER.active = True
             raise unused from None
+        lost = PeerLost.of(exc, runtime.rank, leaving=False)
+        if lost is not None:  # another rank's failure reached this one: the restart line names the cause
+            _SHOWN_BY_THE_DRIVER.active = True
+            raise lost from None
         if isinstance(exc, DataPipelineError):  # the user's data: a bug unless the next attempt passes
             _SHOWN_BY_THE_DRIVER.active = True
             raise UserCodeError.from_data_pipeline(exc, runtime.rank) from None
         pos = getattr(trainer, "pos", None)
         wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
         if wrapped is None:
-            raise
+            lost = PeerLost.of(exc, runtime.rank, leaving=preemption.NOTICE.is_set())
+            if lost is None:
+                raise
+            wrapped = lost  # an error after the notice to leave (a group Ray tears down): a consequence
         _SHOWN_BY_THE_DRIVER.active = True
         raise wrapped from None
     if results is not None and runtime.rank == 0:

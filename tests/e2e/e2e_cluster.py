@@ -451,6 +451,15 @@ class ContainerCluster:
         m = re.search(r"Status for job '[^']+': (?:JobStatus\.)?(\w+)", text)
         return m.group(1) if m else "UNKNOWN"
 
+    def save_head_logs(self, name: str) -> Path:
+        """Ray Train's controller logs and GCS's log from the head container, for a test that failed."""
+        out = docker("exec", self.head, "sh", "-c",
+                     "cd /tmp/ray/session_latest/logs && tail -n 300 ray-train-*-controller-*.log gcs_server.out "
+                     "2>/dev/null", check=False, timeout=60)
+        path = LOG_DIR / f"{self.log_prefix}{name}"
+        path.write_text(out.stdout + out.stderr)
+        return path
+
     def job_logs(self, submission_id: str) -> str:
         out = self.ray("job", "logs", "--address", self.address, submission_id, timeout=120)
         return out.stdout

@@ -70,6 +70,11 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
     # bound leaves a loaded machine minutes for the restart and the checkpoint load
     assert HANG_TIMEOUT_S - 1 <= seconds <= HANG_TIMEOUT_S + 600, seconds
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE  # the stopped process was killed
+    # the restart is one line naming the rank that failed; the survivor's collective timeout is not shown
+    restarts = re.findall(r"^(?:\(TrainController pid=\d+\) )?ray-app: (rank \d+.*); the worker group restarts from the newest committed checkpoint "
+                          r"\(restart (\d+) of \d+: failure\.max_failures\)$", run.text, re.M)
+    assert [n for _, n in restarts] == ["1"], run.text[-5000:]
+    assert "Error in training function" not in run.text and "Traceback" not in run.text, run.text[-5000:]
 
     summary = summary_of(run.text)
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import sys
 import textwrap
+import threading
 import uuid
 
 import pytest
@@ -404,6 +405,28 @@ def test_a_failure_outside_user_code_is_raised_as_it_is(worker):
         worker("X = 1\n", ["model.name=mlp", *SMALL_DATA])
     assert not isinstance(exc.value, UserCodeError)
     assert not worker_side._SHOWN_BY_THE_DRIVER.active  # the driver shows only its last line: Ray's log keeps it
+
+
+@pytest.mark.parametrize("raised,leaving", [
+    # what a rank's collective raises when its peer's process is gone (the message of torch 2's gloo)
+    (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                  "[127.0.0.1]:9120"), False),
+    (RuntimeError("the kit's own failure (no user frame)"), True),  # after the notice to leave
+])
+def test_a_rank_that_lost_its_peer_is_a_peer_lost_left_out_of_rays_log(worker, monkeypatch, raised, leaving):
+    from ray_app import preemption
+    from ray_app.errors import PeerLost
+
+    def prepare_model(self, model, bucket_cap_mb=25):
+        raise raised
+
+    monkeypatch.setattr(FakeRayRuntime, "prepare_model", prepare_model)
+    monkeypatch.setattr(preemption, "NOTICE", threading.Event())
+    if leaving:
+        preemption.NOTICE.set()
+    with pytest.raises(PeerLost, match=r"^rank 1 lost a peer: RuntimeError: "):
+        worker("X = 1\n", ["model.name=mlp", *SMALL_DATA])
+    assert worker_side._SHOWN_BY_THE_DRIVER.active  # the restart's one line names the cause instead
 
 
 def test_ray_trains_log_of_an_error_the_driver_shows_is_left_out(monkeypatch):

@@ -135,3 +135,67 @@ def test_unused_parameters_train_with_the_key_and_name_it_without(gloo_group, tm
 @pytest.mark.timeout(60)
 def test_static_graph_with_unused_parameters_trains(gloo_group):
     _two_steps(ddp_options(load_config(None, ["train.static_graph=true"])))
+
+
+# ---------------------------------------------------------------- a rank whose peer is gone
+
+def _rank_of_two(rank: int, port: int, out) -> None:
+    from ray_app.errors import PeerLost
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    if rank == 1:
+        import os
+        os._exit(0)  # a killed worker: its sockets close with no goodbye
+    try:
+        for _ in range(50):  # the first all-reduce may still reach the peer's socket buffer
+            dist.all_reduce(torch.ones(1 << 16))
+        out.put("no error")
+    except Exception as exc:  # noqa: BLE001 - what the rank met is the answer
+        lost = PeerLost.of(exc, 0, leaving=False)
+        out.put(str(lost) if lost else f"not a lost peer: {type(exc).__name__}: {exc}")
+
+
+@pytest.mark.timeout(60)
+def test_the_error_of_a_collective_whose_peer_died_is_a_lost_peer():
+    """Two real gloo ranks; rank 1's process exits: rank 0's all-reduce raises, and the kit reads that as
+    a lost peer (a consequence: the restart line names the cause, not this rank's traceback)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_of_two, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        seen = out.get(timeout=50)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert seen.startswith("rank 0 lost a peer: "), seen
+
+
+def test_a_restart_is_one_line_naming_the_rank_that_failed_not_the_ranks_that_lost_it(capsys):
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_app.errors import PeerLost
+    from ray_app.failure_policy import KitFailurePolicy
+
+    policy = KitFailurePolicy(FailureConfig(max_failures=3))
+    lost = PeerLost("rank 0 lost a peer: RuntimeError: Connection closed by peer")
+    killed = RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: RayTrainWorker")
+    assert policy.make_decision(WorkerGroupError("x", {0: lost, 1: killed})) == FailureDecision.RETRY
+    assert policy.make_decision(WorkerGroupError("x", {0: lost})) == FailureDecision.RETRY
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "ray-app: rank 1: RuntimeError: The actor died unexpectedly before finishing this task.; the worker group "
+        "restarts from the newest committed checkpoint (restart 1 of 3: failure.max_failures)",
+        "ray-app: rank 0 lost a peer: RuntimeError: Connection closed by peer; the worker group restarts from the "
+        "newest committed checkpoint (restart 2 of 3: failure.max_failures)"]
+    # the user's error: retried once to tell a fault from a bug, and shown once, by the driver, at the end
+    policy.make_decision(WorkerGroupError("x", {0: lost, 1: _first_failure(RaggedSamples(), 0)}))
+    assert capsys.readouterr().out == ""
