@@ -214,7 +214,7 @@ def lean_trainer_class():
     from ray.train.torch import TorchTrainer
 
     from ray_app.failure_policy import KitFailurePolicy
-    from ray_app.scaling_policy import without_autoscaler
+    from ray_app.scaling_policy import elastic_that_learns, without_autoscaler
 
     missing = [h for h in ("_create_default_callbacks", "_initialize_and_run_controller")
                if not callable(getattr(TorchTrainer, h, None))]
@@ -241,6 +241,8 @@ def lean_trainer_class():
             kwargs["failure_policy"] = KitFailurePolicy(self.run_config.failure_config)
             if self.without_autoscaler:
                 kwargs["scaling_policy"] = without_autoscaler(kwargs["scaling_policy"])
+            if "scaling_policy" in kwargs:  # elastic: after a group that did not start, ask for one fewer
+                kwargs["scaling_policy"] = elastic_that_learns(kwargs["scaling_policy"])
             return super()._initialize_and_run_controller(**kwargs)
 
     return LeanTorchTrainer

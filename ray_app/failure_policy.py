@@ -76,7 +76,7 @@ def _cause(training_failed_error, errors: list) -> str:
     peers (``PeerLost``), or the controller's (a group that did not start in time)."""
     if isinstance(training_failed_error, ControllerError):
         failure = getattr(training_failed_error, "controller_failure", training_failed_error)
-        return f"{type(failure).__name__}: {_first_line(failure)}"
+        return f"{type(failure).__name__}: {_first_line(failure).split('. ')[0]}"  # Ray's hints left out
     ranked = sorted((getattr(training_failed_error, "worker_failures", None) or {}).items(),
                     key=lambda item: isinstance(item[1], PeerLost))
     if not ranked:

@@ -5,11 +5,21 @@ actor that passes them on to an autoscaler. Starting that actor is one more Pyth
 Ray between the controller's start and the worker group's: ~2.4 s of every run's start-up on 2 cores.
 A local Ray the kit started itself has no autoscaler to tell, and a fixed-size group asks for exactly
 the placement group it then waits on, so there the kit hands the controller this policy instead.
-Clusters (``RAY_ADDRESS``: KubeRay, the cluster of containers) and elastic runs keep Ray's own.
+Clusters (``RAY_ADDRESS``: KubeRay, the cluster of containers) keep Ray's own.
+
+An elastic run (``scaling.min_workers``) gets ``ElasticPolicyThatLearns``: Ray's elastic policy sizes a
+new group to the nodes its view of the cluster counts, and just after a node is lost that view still
+counts it (until Ray's health checks find the node dead and the coordinator's next look, every 20 s).
+A group of N placed on that view never starts; Ray Train waits its start timeout and asks for N again,
+as long as the view lags (twice in a row, 40 s, in the e2e cluster of containers). After a group of N
+did not start, this policy asks for N - 1 (never below ``min_workers``) for as long as the view shows the
+same nodes; a node that leaves or joins the view ends that, and the group grows back as Ray's does.
 """
 
 from __future__ import annotations
 
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
 
@@ -29,6 +39,35 @@ class _NoCoordinator:
 class FixedPolicyWithoutAutoscaler(FixedScalingPolicy):
     def after_controller_start(self, train_run_context) -> None:
         self._coordinator_client = _NoCoordinator()
+
+
+class ElasticPolicyThatLearns(ElasticScalingPolicy):
+    def __init__(self, scaling_config):
+        super().__init__(scaling_config)
+        self._fewer: tuple[frozenset, int] | None = None  # (the nodes in view, the most workers to ask for there)
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        super().after_controller_state_update(previous_state, current_state)
+        failed = getattr(getattr(current_state, "training_failed_error", None), "controller_failure", None)
+        if isinstance(failed, WorkerGroupStartupTimeoutError) and self._latest_reserved_resources:
+            most = max(self.scaling_config.min_workers, failed.num_workers - 1)
+            self._fewer = (frozenset(self._latest_reserved_resources), most)
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        count = super()._count_possible_workers(reserved_resources)
+        if self._fewer is not None:
+            nodes, most = self._fewer
+            if frozenset(reserved_resources) == nodes:
+                return min(count, most)
+            self._fewer = None  # the view changed (a node gone or joined): it counts again
+        return count
+
+
+def elastic_that_learns(policy):
+    """``policy`` as an ``ElasticPolicyThatLearns`` when it is Ray's elastic policy; else unchanged."""
+    if type(policy) is not ElasticScalingPolicy:
+        return policy
+    return ElasticPolicyThatLearns(policy.scaling_config)
 
 
 def without_autoscaler(policy):

@@ -329,6 +329,7 @@ def test_a_lost_worker_shrinks_the_world_to_min_workers_and_a_new_one_grows_it_b
         status = cluster.wait_for_job(sid, timeout=600)
         logs = cluster.job_logs(sid)
         (LOG_DIR / f"job-{run}.log").write_text(logs)
+        cluster.save_head_logs(f"head-{run}.log")
         assert status == "SUCCEEDED", logs[-5000:]
         summary = summary_of(logs)
         print(f"\n[e2e] elastic: {lost} removed {lost_at - t0:.1f}s in; training again at 2 workers "

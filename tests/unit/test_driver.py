@@ -454,3 +454,44 @@ def test_a_new_run_is_checked_without_importing_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_view_changes(tmp_path, monkeypatch):
+    """Just after a node is lost, Ray's view still counts it: a group of 3 sized to that view times out,
+    and the next ask is 2 while the view shows the same nodes; a node that joins (or leaves) ends that."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision, create_scaling_policy
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from ray_app.scaling_policy import ElasticPolicyThatLearns
+
+    lean = lean_trainer_class()
+    base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
+    seen = {}
+    monkeypatch.setattr(base, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw))
+    elastic = _trainer(load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3",
+                                          "scaling.min_workers=2"]), storage_path=str(tmp_path))
+    elastic._initialize_and_run_controller(scaling_policy=create_scaling_policy(elastic.scaling_config))
+    policy = seen["scaling_policy"]
+    assert type(policy) is ElasticPolicyThatLearns
+
+    view = {f"node-{i}": {"CPU": 1.0} for i in range(3)}  # the lost node still among them
+    monkeypatch.setattr(policy, "_maybe_send_resource_request", lambda: None)
+    monkeypatch.setattr(policy, "_get_reserved_resources", lambda: policy.__dict__.update(
+        _latest_reserved_resources=dict(view)) or dict(view))
+
+    def asked() -> int:
+        decision = policy.make_decision_for_non_running_worker_group()
+        assert isinstance(decision, ResizeDecision)
+        return decision.num_workers
+
+    assert asked() == 3
+    timed_out = ControllerError(WorkerGroupStartupTimeoutError(num_workers=3))
+    policy.after_controller_state_update(None, ReschedulingState(training_failed_error=timed_out))
+    assert asked() == 2 and asked() == 2  # the same view: one fewer, every time
+    policy.after_controller_state_update(None, ReschedulingState(training_failed_error=ControllerError(
+        WorkerGroupStartupTimeoutError(num_workers=2))))
+    assert asked() == 2  # never below scaling.min_workers
+    view["node-3"] = {"CPU": 1.0}  # a node joined: Ray's count again
+    assert asked() == 3
