@@ -116,7 +116,7 @@ def run_in_worker(job: dict, runtime) -> dict:
     exception or non-zero exit of the script comes back as a ``UserCodeError`` the driver shows once."""
     import ray.train
 
-    from ray_app.errors import UserCodeError
+    from ray_app.errors import PeerLost, UserCodeError
 
     global _SESSION
     started = time.time()
@@ -128,6 +128,9 @@ def run_in_worker(job: dict, runtime) -> dict:
         with kit_process_group(say=print if runtime.rank == 0 else None):
             run_main(script, job["args"])
     except (Exception, SystemExit) as exc:
+        lost = PeerLost.of(exc, runtime.rank, leaving=False)  # another rank is gone: not the script's bug
+        if lost is not None:
+            raise lost from None
         wrapped = UserCodeError.from_exception(exc, runtime.rank, session.progress, script_roots(script))
         if wrapped is None:
             raise

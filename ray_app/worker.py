@@ -243,7 +243,7 @@ def worker_main(job: dict, results=None) -> None:
         else:
             result, trainer = _train(cfg, runtime, stats, job.get("tracking_key", cfg.run.name))
     except Exception as exc:
-        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged, StorageUnavailable)):
+        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged, StorageUnavailable, PeerLost)):
             # shown once by the driver; a restart (Preempted; StorageUnavailable: one line by the failure policy)
             _SHOWN_BY_THE_DRIVER.active = True
             raise

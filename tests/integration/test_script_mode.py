@@ -171,6 +171,10 @@ def test_a_killed_worker_resumes_from_the_newest_save_and_ends_on_the_same_param
     resumed = [int(n) for n in re.findall(r"ray-app: resuming from \S+ \(save (\d+)\)", out)]
     assert resumed and resumed[0] >= at_kill[0], (resumed, at_kill)  # lost at most the save in flight
     assert lines_of(out)[-1] == uninterrupted
+    # the restart is one line; the surviving rank's failed collective is not the script's error
+    assert len(re.findall(r"ray-app: rank \d+.*; the worker group restarts from the newest committed checkpoint "
+                          r"\(restart 1 of", out)) == 1, out[-4000:]
+    assert "Error in training function" not in out, out[-4000:]
 
 
 def test_a_killed_worker_without_checkpoints_restarts_the_script_and_finishes(project, uninterrupted, tmp_path):

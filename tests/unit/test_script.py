@@ -294,6 +294,22 @@ def test_an_exception_in_the_script_becomes_a_user_code_error(script_worker, tmp
     assert worker._SHOWN_BY_THE_DRIVER.active
 
 
+def test_a_collective_whose_peer_is_gone_is_a_lost_peer_not_the_scripts_error(script_worker):
+    """What a surviving rank's all-reduce raises when another rank was killed (torch 2's gloo message):
+    a restart of the group, not a bug in the script to be retried once and then shown."""
+    from ray_app.errors import PeerLost
+
+    with pytest.raises(PeerLost, match=r"^rank 0 lost a peer: RuntimeError: \[/pytorch/third_party/gloo"):
+        script_worker("""
+            def all_reduce():
+                raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed "
+                                   "by peer [127.0.0.1]:9120")
+
+            all_reduce()
+        """)
+    assert worker._SHOWN_BY_THE_DRIVER.active
+
+
 def test_sys_exit_non_zero_fails_and_zero_ends_normally(script_worker):
     with pytest.raises(UserCodeError, match="SystemExit: 3"):
         script_worker("import sys\nsys.exit(3)\n")
