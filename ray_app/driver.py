@@ -353,6 +353,36 @@ def _check_resume(cfg: Config, storage) -> None:
                         "from this one), or set these keys back")
 
 
+class WorkerLogs:
+    """When Ray last streamed worker output to this driver. A worker's last lines (a script's final print,
+    the last epoch line) travel from its log file through Ray's log monitor (which looks every 0.1 s) and
+    GCS to the driver; ``ray.shutdown`` stops that stream, and what is still on its way is lost. ``drain``
+    waits until the stream has been quiet for ``quiet_s`` (at most ``most_s``) before the driver shuts Ray
+    down. Through Ray's stdstream dispatcher (private); if Ray changes it, ``drain`` waits ``quiet_s``."""
+
+    HANDLER = "ray_app_worker_logs"
+
+    def __init__(self):
+        self.last = time.monotonic()
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+            dispatcher.add_handler(self.HANDLER, self._seen)
+            self._dispatcher = dispatcher
+        except Exception:  # a Ray refactor must never break a run
+            self._dispatcher = None
+
+    def _seen(self, data) -> None:
+        self.last = time.monotonic()
+
+    def drain(self, quiet_s: float = 0.3, most_s: float = 2.0) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < most_s and time.monotonic() - max(self.last, start) < quiet_s:
+            time.sleep(0.02)
+        if self._dispatcher is not None:
+            self._dispatcher.remove_handler(self.HANDLER)
+
+
 def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) -> dict:
     """Start Ray (or join it), run the worker group, return rank 0's result.
 
@@ -377,6 +407,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     signals: list[int] = []
+    logs = WorkerLogs()
     try:
         # the driver's SIGTERM (`ray job stop`, `docker stop`) or SIGINT (Ctrl-C): the workers checkpoint,
         # then the run stops
@@ -391,6 +422,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
         ray.shutdown()
         raise TrainingFailed(controller_failure(exc)) from None
     final = results.take() if error is None else None
+    logs.drain()  # the workers' last lines, still on their way
     ray.shutdown()  # stop streaming worker logs so the summary really is the last line
     if error is not None:
         raise_worker_failure(error, interrupted=bool(signals) and signals[0] == signal.SIGINT)

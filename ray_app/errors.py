@@ -171,6 +171,9 @@ class PeerLost(RuntimeError):
     this worker's traceback is not."""
 
     PATTERNS = ("gloo/transport", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator was aborted")
+    # gloo's own words, also without its source path (a collective timed out: the peer stopped answering)
+    GLOO = ("Application timeout caused pair closure", "Connection closed by peer", "Connection reset by peer",
+            "Timed out waiting")
 
     @classmethod
     def of(cls, exc: BaseException, rank: int, leaving: bool) -> PeerLost | None:
@@ -181,7 +184,8 @@ class PeerLost(RuntimeError):
         except ImportError:  # pragma: no cover - torch always has it
             DistError = ()  # noqa: N806
         text = str(exc)
-        if not (leaving or isinstance(exc, DistError) or any(p in text for p in cls.PATTERNS)):
+        gloo = type(exc) is RuntimeError and any(p in text for p in cls.GLOO)  # not a user's OSError
+        if not (leaving or gloo or isinstance(exc, DistError) or any(p in text for p in cls.PATTERNS)):
             return None
         first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
         return cls(f"rank {rank} lost a peer: {type(exc).__name__}: {first[:300]}")

@@ -411,6 +411,7 @@ def test_a_failure_outside_user_code_is_raised_as_it_is(worker):
     # what a rank's collective raises when its peer's process is gone (the message of torch 2's gloo)
     (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
                   "[127.0.0.1]:9120"), False),
+    (RuntimeError("Application timeout caused pair closure"), False),  # gloo: a collective timed out
     (RuntimeError("the kit's own failure (no user frame)"), True),  # after the notice to leave
 ])
 def test_a_rank_that_lost_its_peer_is_a_peer_lost_left_out_of_rays_log(worker, monkeypatch, raised, leaving):
@@ -495,3 +496,36 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
     assert asked() == 2  # never below scaling.min_workers
     view["node-3"] = {"CPU": 1.0}  # a node joined: Ray's count again
     assert asked() == 3
+
+
+def test_the_driver_waits_for_the_workers_last_lines_before_shutting_ray_down():
+    """Worker output reaches the driver through Ray's stdstream dispatcher: ``drain`` returns once it has
+    been quiet for ``quiet_s``, not while lines still arrive, and leaves the dispatcher as it was."""
+    import threading
+    import time
+
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from ray_app.driver import WorkerLogs
+
+    logs = WorkerLogs()
+    arrived = []
+
+    def stream():
+        for i in range(8):  # a line every 0.1 s for 0.8 s
+            dispatcher.emit({"lines": [f"line {i}"], "pid": 1, "is_err": False})
+            arrived.append(time.monotonic())
+            time.sleep(0.1)
+
+    sender = threading.Thread(target=stream)
+    t0 = time.monotonic()
+    sender.start()
+    logs.drain(quiet_s=0.3, most_s=5.0)
+    waited = time.monotonic() - t0
+    sender.join()
+    assert len(arrived) == 8 and waited >= arrived[-1] - t0 + 0.3 - 0.05, (waited, arrived[-1] - t0)
+    assert waited < 3.0
+    assert all(name != WorkerLogs.HANDLER for name, _ in dispatcher.handlers)
+    t0 = time.monotonic()
+    WorkerLogs().drain(quiet_s=0.3, most_s=5.0)  # nothing streams: one quiet window
+    assert 0.3 <= time.monotonic() - t0 < 2.0
