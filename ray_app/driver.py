@@ -419,6 +419,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     except TrainingFailedError as exc:
         error = exc
     except ray.exceptions.RayActorError as exc:  # Ray Train's controller died (its storage set-up gave up)
+        logs.drain()
         ray.shutdown()
         raise TrainingFailed(controller_failure(exc)) from None
     final = results.take() if error is None else None

@@ -179,16 +179,18 @@ class PeerLost(RuntimeError):
     def of(cls, exc: BaseException, rank: int, leaving: bool) -> PeerLost | None:
         """``exc`` as a lost peer: a distributed backend's error or one of its known messages, or any
         error of a worker that was already ``leaving`` (a notice or the group's teardown came first)."""
-        try:
-            from torch.distributed import DistError
-        except ImportError:  # pragma: no cover - torch always has it
-            DistError = ()  # noqa: N806
+        from torch.distributed import DistError  # a worker's: the driver and the controller never call this
+
         text = str(exc)
         gloo = type(exc) is RuntimeError and any(p in text for p in cls.GLOO)  # not a user's OSError
         if not (leaving or gloo or isinstance(exc, DistError) or any(p in text for p in cls.PATTERNS)):
             return None
-        first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-        return cls(f"rank {rank} lost a peer: {type(exc).__name__}: {first[:300]}")
+        return cls(f"rank {rank} lost a peer: {type(exc).__name__}: {first_line(exc)}")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's first non-blank line, at most ``limit`` characters; its type's name if it has none."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)[:limit]
 
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 128 + signal.SIGTERM, 130

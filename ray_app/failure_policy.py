@@ -28,7 +28,7 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
 from ray.train.v2.api.exceptions import ControllerError
 
-from ray_app.errors import ConfigError, Diverged, PeerLost, Preempted, Stopped, StorageUnavailable, UserCodeError
+from ray_app.errors import ConfigError, Diverged, PeerLost, Preempted, Stopped, StorageUnavailable, UserCodeError, first_line
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
@@ -54,7 +54,7 @@ class KitFailurePolicy(DefaultFailurePolicy):
         restart = f"restart {self._worker_group_failures} of {'unlimited' if limit == -1 else limit}: failure.max_failures"
         storage = [e for e in errors if isinstance(e, StorageUnavailable)]
         if storage:
-            print(f"ray-app: {_first_line(storage[0])} ({restart})", flush=True)
+            print(f"ray-app: {first_line(storage[0])} ({restart})", flush=True)
             return decision
         cause = _cause(training_failed_error, errors)
         if cause:
@@ -67,19 +67,15 @@ class KitFailurePolicy(DefaultFailurePolicy):
         return decision
 
 
-def _first_line(exc: BaseException) -> str:
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)[:300]
-
-
 def _cause(training_failed_error, errors: list) -> str:
     """One line naming why a worker group failed: a worker's own error before a rank that only lost its
     peers (``PeerLost``), or the controller's (a group that did not start in time)."""
     if isinstance(training_failed_error, ControllerError):
         failure = getattr(training_failed_error, "controller_failure", training_failed_error)
-        return f"{type(failure).__name__}: {_first_line(failure).split('. ')[0]}"  # Ray's hints left out
+        return f"{type(failure).__name__}: {first_line(failure).split('. ')[0]}"  # Ray's hints left out
     ranked = sorted((getattr(training_failed_error, "worker_failures", None) or {}).items(),
                     key=lambda item: isinstance(item[1], PeerLost))
     if not ranked:
         return ""
     rank, error = ranked[0]
-    return _first_line(error) if isinstance(error, PeerLost) else f"rank {rank}: {type(error).__name__}: {_first_line(error)}"
+    return first_line(error) if isinstance(error, PeerLost) else f"rank {rank}: {type(error).__name__}: {first_line(error)}"

@@ -264,10 +264,10 @@ def worker_main(job: dict, results=None) -> None:
         pos = getattr(trainer, "pos", None)
         wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
         if wrapped is None:
-            lost = PeerLost.of(exc, runtime.rank, leaving=preemption.NOTICE.is_set())
-            if lost is None:
+            if not preemption.NOTICE.is_set():
                 raise
-            wrapped = lost  # an error after the notice to leave (a group Ray tears down): a consequence
+            # an error after the notice to leave (a group Ray tears down): a consequence
+            wrapped = PeerLost.of(exc, runtime.rank, leaving=True)
         _SHOWN_BY_THE_DRIVER.active = True
         raise wrapped from None
     if results is not None and runtime.rank == 0:
