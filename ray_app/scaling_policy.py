@@ -12,11 +12,15 @@ new group to the nodes its view of the cluster counts, and just after a node is 
 counts it (until Ray's health checks find the node dead and the coordinator's next look, every 20 s).
 A group of N placed on that view never starts; Ray Train waits its start timeout and asks for N again,
 as long as the view lags (twice in a row, 40 s, in the e2e cluster of containers). After a group of N
-did not start, this policy asks for N - 1 (never below ``min_workers``) for as long as the view shows the
-same nodes; a node that leaves or joins the view ends that, and the group grows back as Ray's does.
+did not start, this policy asks for N - 1 (never below ``min_workers``) while the view shows the same
+nodes, for at most ``FEWER_FOR_S``: a node that leaves or joins the view ends that, and so does time (a
+group can also miss its start timeout on nodes that are all alive, a fresh node slow to start its first
+worker: the view was right, and the group grows back to it at the next resize check after that).
 """
 
 from __future__ import annotations
+
+import time
 
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
@@ -42,24 +46,30 @@ class FixedPolicyWithoutAutoscaler(FixedScalingPolicy):
 
 
 class ElasticPolicyThatLearns(ElasticScalingPolicy):
-    def __init__(self, scaling_config):
+    # A lost node leaves the view within ~45 s (Ray's health checks, then the coordinator's next look):
+    # past that, the same view is no longer a lagging one.
+    FEWER_FOR_S = 60.0
+
+    def __init__(self, scaling_config, clock=time.monotonic):
         super().__init__(scaling_config)
-        self._fewer: tuple[frozenset, int] | None = None  # (the nodes in view, the most workers to ask for there)
+        self._clock = clock
+        # (the nodes in view, the most workers to ask for there, until when)
+        self._fewer: tuple[frozenset, int, float] | None = None
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         super().after_controller_state_update(previous_state, current_state)
         failed = getattr(getattr(current_state, "training_failed_error", None), "controller_failure", None)
         if isinstance(failed, WorkerGroupStartupTimeoutError) and self._latest_reserved_resources:
             most = max(self.scaling_config.min_workers, failed.num_workers - 1)
-            self._fewer = (frozenset(self._latest_reserved_resources), most)
+            self._fewer = (frozenset(self._latest_reserved_resources), most, self._clock() + self.FEWER_FOR_S)
 
     def _count_possible_workers(self, reserved_resources) -> int:
         count = super()._count_possible_workers(reserved_resources)
         if self._fewer is not None:
-            nodes, most = self._fewer
-            if frozenset(reserved_resources) == nodes:
+            nodes, most, until = self._fewer
+            if frozenset(reserved_resources) == nodes and self._clock() < until:
                 return min(count, most)
-            self._fewer = None  # the view changed (a node gone or joined): it counts again
+            self._fewer = None  # the view changed (a node gone or joined), or long enough: it counts again
         return count
 
 

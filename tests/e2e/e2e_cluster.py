@@ -452,12 +452,17 @@ class ContainerCluster:
         return m.group(1) if m else "UNKNOWN"
 
     def save_head_logs(self, name: str) -> Path:
-        """Ray Train's controller logs and GCS's log from the head container, for a test that failed."""
-        out = docker("exec", self.head, "sh", "-c",
-                     "cd /tmp/ray/session_latest/logs && tail -n 300 ray-train-*-controller-*.log gcs_server.out "
-                     "2>/dev/null", check=False, timeout=60)
+        """Ray Train's controller logs (from whichever container runs the controller) and GCS's log from
+        the head container, for a test that failed."""
+        text = ""
+        for container in [self.head, *self.workers]:
+            out = docker("exec", container, "sh", "-c",
+                         "cd /tmp/ray/session_latest/logs && tail -n 300 train/ray-train-*-controller-*.log "
+                         + ("gcs_server.out " if container == self.head else "") + "2>/dev/null",
+                         check=False, timeout=60)
+            text += f"==== {container}\n{out.stdout}{out.stderr}"
         path = LOG_DIR / f"{self.log_prefix}{name}"
-        path.write_text(out.stdout + out.stderr)
+        path.write_text(text)
         return path
 
     def job_logs(self, submission_id: str) -> str:
@@ -484,6 +489,11 @@ def rank_placements(logs: str) -> dict[int, tuple[str, str]]:
     for m in RANK_LINE.finditer(logs):
         out.setdefault(int(m.group(1)), (m.group(3), m.group(4)))
     return out
+
+
+def world_sizes(logs: str) -> list[int]:
+    """The world size of each group that started training, in order (rank 0's "run ...: ..." line)."""
+    return [int(n) for n in re.findall(r"steps/epoch x \d+ epochs, world size (\d+)", logs)]
 
 
 def summary_of(logs: str) -> dict:

@@ -459,7 +459,8 @@ def test_a_new_run_is_checked_without_importing_torch(tmp_path):
 
 def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_view_changes(tmp_path, monkeypatch):
     """Just after a node is lost, Ray's view still counts it: a group of 3 sized to that view times out,
-    and the next ask is 2 while the view shows the same nodes; a node that joins (or leaves) ends that."""
+    and the next ask is 2 while the view shows the same nodes; a node that joins (or leaves) ends that,
+    and so does FEWER_FOR_S (a fresh node slow to start its first worker: the view was right)."""
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
     from ray.train.v2._internal.execution.controller.state import ReschedulingState
     from ray.train.v2._internal.execution.scaling_policy import ResizeDecision, create_scaling_policy
@@ -478,6 +479,8 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
     assert type(policy) is ElasticPolicyThatLearns
 
     view = {f"node-{i}": {"CPU": 1.0} for i in range(3)}  # the lost node still among them
+    now = [1000.0]
+    monkeypatch.setattr(policy, "_clock", lambda: now[0])
     monkeypatch.setattr(policy, "_maybe_send_resource_request", lambda: None)
     monkeypatch.setattr(policy, "_get_reserved_resources", lambda: policy.__dict__.update(
         _latest_reserved_resources=dict(view)) or dict(view))
@@ -495,7 +498,15 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
         WorkerGroupStartupTimeoutError(num_workers=2))))
     assert asked() == 2  # never below scaling.min_workers
     view["node-3"] = {"CPU": 1.0}  # a node joined: Ray's count again
-    assert asked() == 3
+    assert asked() == 3  # 4 nodes in view, scaling.num_workers 3
+
+    del view["node-3"]
+    assert asked() == 3  # a group of 3 sized to this view, and it does not start either
+    policy.after_controller_state_update(None, ReschedulingState(training_failed_error=timed_out))
+    now[0] += policy.FEWER_FOR_S - 1
+    assert asked() == 2  # the same view, not long after
+    now[0] += 1
+    assert asked() == 3  # the same view, long enough: trusted again
 
 
 def test_the_driver_waits_for_the_workers_last_lines_before_shutting_ray_down():
