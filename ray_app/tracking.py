@@ -156,7 +156,8 @@ class MlflowSink(_TrackerBase):
         self._items: collections.deque = collections.deque(maxlen=buffer)
         self._sending: list = []  # taken from _items by the thread, not yet confirmed by the server
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # set by each value put, and at close: something to send
+        self._stop = threading.Event()  # set at close only: ends a wait between tries
         self._closing = False
         self._ready = False
         self._thread = threading.Thread(target=self._run, name="ray-app-mlflow", daemon=True)
@@ -206,6 +207,7 @@ class MlflowSink(_TrackerBase):
 
     def close(self) -> None:
         self._closing = True
+        self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=1.0 if self.down else self.CLOSE_WAIT_S)
@@ -237,8 +239,9 @@ class MlflowSink(_TrackerBase):
                 self._ready = False
                 if self._closing:
                     return
-                self._wake.wait(wait)
-                self._wake.clear()
+                # the backoff: values logged meanwhile wait in the buffer (waiting on _wake, a step's values
+                # cut every wait short: a server that was down was tried again at each logged step)
+                self._stop.wait(wait)
                 wait = min(wait * 2, self.RETRY_S[1])
                 continue
             if self._closing and not self._items:

@@ -187,6 +187,22 @@ def test_a_down_server_never_blocks_a_step_and_says_so_once_each_way():
     assert [s for s, _ in run["metrics"]["train_loss"]] == list(range(1, 501))
 
 
+def test_a_down_server_is_tried_again_after_the_backoff_not_at_each_logged_step():
+    client = FakeMlflowClient()
+    client.down = True
+    sink = _sink(client)
+    sink.RETRY_S = (0.2, 0.2)
+    sink.start(**START)
+    t0, step = time.monotonic(), 0
+    while time.monotonic() - t0 < 1.0:  # a step's values every 5 ms for 1 s
+        step += 1
+        _progress(sink, step)
+        time.sleep(0.005)
+    tries = client.calls
+    sink.close()
+    assert 1 <= tries <= 7, f"{tries} tries in 1 s with a 0.2 s backoff ({step} steps logged)"
+
+
 def test_the_buffer_is_bounded_and_drops_the_oldest_and_counts_them():
     client = FakeMlflowClient()
     client.down = True
