@@ -43,7 +43,7 @@ def free_port() -> int:
 class Spec:
     """One process to measure. ``overrides`` are ``--set`` values shared by the kit and the twin."""
 
-    kind: str  # "kit", "twin", or "script" (the twin under `ray-app run`: script mode)
+    kind: str  # "kit", "twin", "script" (the twin under `ray-app run`: script mode) or "ray" (bench/ray_alone.py)
     overrides: tuple[str, ...]
     workers: int = 2
     launch: str = "cold"  # kit: "cold" (ray-app train starts its own Ray) or "warm" (ray job submit)
@@ -441,6 +441,9 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     port = free_port() if spec.metrics_on else None
     if spec.kind == "kit":
         argv, env, run_uri = kit_command(spec, ctx, d, port or free_port())
+    elif spec.kind == "ray":  # Ray Train alone: an empty train function, no kit code
+        argv, run_uri = [str(BIN / "python"), "bench/ray_alone.py", "--workers", str(spec.workers)], ""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TRAIN_V2_ENABLED": "1"}
     else:
         (argv, env), run_uri = (script_command if spec.kind == "script" else twin_command)(spec, d), ""
     load1 = os.getloadavg()[0]
@@ -481,12 +484,14 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         recorder.join(timeout=10)
         if spec.kind in ("kit", "script") and spec.launch == "cold":
             kill_tree(processes_mentioning(str(d / "r")))  # leftovers of a crashed run's Ray
-    launch = {"kit": spec.launch, "script": "ray-app run"}.get(spec.kind, "torchrun")
+    launch = {"kit": spec.launch, "script": "ray-app run", "ray": "ray.init"}.get(spec.kind, "torchrun")
     result = {"label": label, "kind": spec.kind, "launch": launch,
               "workers": spec.workers, "dir": str(d), "rc": rc, "t0": t0, "t_end": t_end,
               "wall_s": round(t_end - t0, 3), "load1": load1}
     if spec.kind == "kit":
         _kit_figures(result, spec, ctx, d, recorder, poller, t0, t_end, t_kill)
+    elif spec.kind == "ray":
+        _ray_alone_figures(result, recorder, t0)
     else:
         _twin_figures(result, d, recorder, t0, t_kill)
     if t_kill is None and spec.kill:
@@ -575,6 +580,23 @@ def _kit_logs(spec: Spec, ctx: Context, d: Path) -> Path | None:
         return ctx.cluster.logs()
     sessions = sorted((d / "r" / "ray").glob("session_2*"))
     return sessions[-1] / "logs" if sessions else None
+
+
+def _ray_alone_figures(res, recorder, t0) -> None:
+    """bench/ray_alone.py's one JSON line: its phases (s), and when its train function was entered."""
+    phases = {}
+    for line in recorder.text().splitlines():
+        if line.startswith("{"):
+            try:
+                phases = json.loads(line)
+            except ValueError:
+                continue
+    res["summary"], res["losses"] = phases, []
+    entered = phases.get("train_fn_unix")
+    res["first_step_unix"] = entered
+    res["first_step_s"] = round(entered - t0, 3) if entered else None
+    res["first_step_source"] = "ray_alone.py: its train function entered" if entered else None
+    res["breakdown"] = {k: v for k, v in phases.items() if isinstance(v, (int, float)) and k != "train_fn_unix"}
 
 
 def _twin_figures(res, d, recorder, t0, t_kill) -> None:

@@ -49,7 +49,7 @@ def one_run(dashboard: bool, workers: int) -> dict:
     os.unlink(mark)
     return {"dashboard": dashboard, "init": round(ready - t0, 2), "import": round(imported - ready, 2),
             "ready_to_train_fn": round(entered - ready, 2), "train_fn_to_fit_return": round(returned - entered, 2),
-            "shutdown": round(done - returned, 2)}
+            "shutdown": round(done - returned, 2), "train_fn_unix": entered}
 
 
 def main() -> None:

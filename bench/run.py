@@ -136,7 +136,9 @@ class Plan:
             "c": {"kit cold": kit(startup, launch="cold", cpu_sample=True), "twin": twin(startup, cpu_sample=True),
                   "kit warm": kit(startup, launch="warm", cpu_sample=True),
                   # the default job as a new user runs it (configs/local.yaml: digits, 2 workers, checkpoints)
-                  "kit default": kit((), launch="cold", cpu_sample=True), "twin default": twin((), cpu_sample=True)},
+                  "kit default": kit((), launch="cold", cpu_sample=True), "twin default": twin((), cpu_sample=True),
+                  # Ray Train alone (bench/ray_alone.py): the floor any TorchTrainer job pays on this machine
+                  "ray alone": Spec("ray", ())},
             "d": {name: kit(o, storage="s3", scrape_every=scrape, cpu_sample=True) for name, o in ckpt.items()},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
@@ -471,11 +473,30 @@ def rows_default_job(r: Runner) -> list[dict]:
     return [
         _row("c", "the default job, wall clock from start to exit (s; ratio = kit / twin)", kw, tw, q, "<= 1.6",
              q is not None and q <= 1.6, paired(kit, twin, "wall_s") + " (kit / twin)"),
+        *rows_ray_floor(r, twin),
         _row("c", "the default job, Ray ready -> first step (s)", ready, None, None, "<= 8 s",
              ready is not None and ready <= 8.0),
         _row("c", "the default job, end of training -> process exit (s; ratio = kit - twin)", kt, tt, gap,
              "<= +2 s", gap is not None and gap <= 2.0),
     ]
+
+
+def rows_ray_floor(r: Runner, twin: list[dict]) -> list[dict]:
+    """What Ray Train alone costs (an empty train function: ray.init, its actors, the workers' torch process
+    group, shut-down), and the floor it sets: Ray alone + the twin's own training time, over the twin's wall
+    clock, round by round. A ratio target below that floor cannot be met by any TorchTrainer job."""
+    alone = r.runs("c", "ray alone") if "ray alone" in r.plan.specs["c"] else []
+    if not alone:
+        return []
+    aw, tw = med(alone, "wall_s"), med(twin, "wall_s")
+    floors = [parse.ratio(a["wall_s"] + (t.get("summary") or {}).get("train_seconds", 0.0), t["wall_s"])
+              for a, t in zip(alone, twin)]
+    floor = parse.median(floors)
+    note = "per round " + ", ".join("-" if f is None else f"{f:.3f}" for f in floors)
+    return [_row("c", "Ray Train alone, an empty train function: wall clock from start to exit (s; ratio = / twin)",
+                 aw, tw, parse.ratio(aw, tw), "reported", aw is not None),
+            _row("c", "the floor under Ray Train: (Ray alone + the twin's training) / the twin's wall clock", floor,
+                 None, None, "reported", floor is not None, note)]
 
 
 def tail_s(run: dict):
