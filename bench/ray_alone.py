@@ -6,8 +6,8 @@ A local ``ray.init`` (2 CPUs worth of workers), a plain ``TorchTrainer`` whose t
 writes the time it was entered, and the phases of one run, as JSON lines: ``init`` (ray.init),
 ``import`` (ray.train.torch on the driver), ``ready_to_train_fn`` (ray.init returned -> the first line
 of the train function on rank 0), ``train_fn_to_fit_return`` (its end -> ``fit`` returned on the
-driver) and ``shutdown`` (ray.shutdown). This is the floor the kit's own start-up is measured against
-(bench/RESULTS.md, case c): what Ray Train costs before any of the kit's code runs.
+driver) and ``shutdown`` (ray.shutdown): what plain Ray Train, with its defaults, costs with no kit code.
+Case (c) of bench/run.py runs it beside the kit's default job and the twin in every round.
 """
 
 from __future__ import annotations
