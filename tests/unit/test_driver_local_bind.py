@@ -109,3 +109,45 @@ def test_the_announced_target_is_the_bound_address_unless_set(monkeypatch):
     assert advertised_host("0.0.0.0") == socket.gethostbyname(socket.gethostname())  # a container's own IP
     monkeypatch.setenv(ADVERTISE_HOST_ENV, "10.0.0.7")
     assert advertised_host("127.0.0.1") == "10.0.0.7"
+
+
+LOCAL_RAY_PROCESSES = """
+import json, psutil, ray
+from ray_app import driver
+from ray_app.config import Config
+driver.init_ray(Config())
+procs = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+answer = ray.get(ray.remote(lambda: 41).remote()) + 1
+ray.shutdown()
+print(json.dumps({"procs": procs, "answer": answer}))
+"""
+
+
+def test_a_local_ray_starts_no_api_server_and_no_autoscaler_monitor(tmp_path):
+    """A real local Ray started by the kit without the dashboard: Ray's own servers and a worker, but not
+    the API server ``include_dashboard=False`` still starts (``ray.init`` waits for it) nor the monitor
+    of an autoscaler a local Ray does not have; tasks run."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", driver.DASHBOARD_ENV)}
+    out = subprocess.run([sys.executable, "-c", LOCAL_RAY_PROCESSES], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["answer"] == 42
+    procs = seen["procs"]
+    for server in ("gcs_server", "raylet", "log_monitor.py"):
+        assert any(server in p for p in procs), (server, procs)
+    assert not [p for p in procs if "dashboard/dashboard.py" in p or "autoscaler/_private/monitor.py" in p], procs
+
+
+def test_the_api_server_starts_when_the_dashboard_is_asked_for():
+    from ray._private.node import Node
+
+    before = Node.start_api_server, Node.start_monitor
+    with driver.lean_local_ray(api_server=True):
+        assert Node.start_api_server is before[0] and Node.start_monitor is not before[1]
+    with driver.lean_local_ray(api_server=False):
+        assert Node.start_api_server is not before[0]
+    assert (Node.start_api_server, Node.start_monitor) == before  # put back after ray.init
