@@ -585,7 +585,7 @@ def _kit_logs(spec: Spec, ctx: Context, d: Path) -> Path | None:
 def _ray_alone_figures(res, recorder, t0) -> None:
     """bench/ray_alone.py's one JSON line: its phases (s), and when its train function was entered."""
     phases = {}
-    for line in recorder.text().splitlines():
+    for line in recorder.text():  # the output's lines
         if line.startswith("{"):
             try:
                 phases = json.loads(line)

@@ -273,3 +273,14 @@ def test_case_h_streams_the_same_workload_and_reports_the_median_round_ratio(tmp
     assert "63 shards of 1.00 MB" in ratio["note"] and "per round 0.950, 0.800, 1.000" in ratio["note"]
     assert (moto["kit"], moto["ref"], moto["ratio"]) == (8.0, 100.0, 0.08)
     assert "map-style runs: 0.5 s" in moto["note"]
+
+
+def test_a_figure_without_a_reference_by_design_is_well_formed_a_missing_reference_is_not(tmp_path):
+    from bench.run import Plan, Runner, _row, problems
+
+    runner = Runner(Plan("full", ("kit",)), ["c"], 1, tmp_path)
+    single = _row("c", "the default job, Ray ready -> first step (s)", 7.0, None, None, "<= 8 s", True, single=True)
+    paired_row = _row("c", "the default job, wall clock (s; ratio = kit / twin)", 16.0, None, None, "<= 1.6", False)
+    assert problems(runner, [single]) == []
+    assert problems(runner, [paired_row]) == ["(c) the default job, wall clock (s; ratio = kit / twin): no figure "
+                                              "(kit 16.0, reference None)"]
