@@ -50,6 +50,9 @@ class Spec:
     storage: str = "local"  # kit: "local" or "s3"
     kill: bool = False  # SIGKILL one worker after the first committed checkpoint (recovery case)
     scrape_every: float = 5.0  # seconds between exporter scrapes once training runs (a Prometheus would scrape)
+    # False: nothing scrapes rank 0's exporter, as on a laptop without Prometheus (a scraped exporter waits, at
+    # the end, for a scrape of its last values: up to scrape_every more); the first step is the summary's
+    scraped: bool = True
     device: str = "cpu"  # twin: "cuda" runs one process on the GPU(s), no torchrun (bench/gpu.sh)
     data_parallel: bool = False  # twin on cuda: nn.DataParallel over every visible GPU (the article's baseline)
     variant: str = ""  # kit, cold: run through bench/variants.py VARIANT (a start-up experiment)
@@ -452,7 +455,7 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
                             start_new_session=True)
     recorder = LineRecorder(proc.stdout, d / "output.log", t0)
     recorder.start()
-    poller = ExporterPoller(port, spec.scrape_every) if port else None
+    poller = ExporterPoller(port, spec.scrape_every) if port and spec.scraped else None
     if poller:
         poller.start()
     sampler = None

@@ -135,8 +135,10 @@ class Plan:
             "b": {"kit": kit(w["comm"]), "twin": twin(w["comm"])},
             "c": {"kit cold": kit(startup, launch="cold", cpu_sample=True), "twin": twin(startup, cpu_sample=True),
                   "kit warm": kit(startup, launch="warm", cpu_sample=True),
-                  # the default job as a new user runs it (configs/local.yaml: digits, 2 workers, checkpoints)
-                  "kit default": kit((), launch="cold", cpu_sample=True), "twin default": twin((), cpu_sample=True),
+                  # the default job as a new user runs it (configs/local.yaml: digits, 2 workers, checkpoints;
+                  # metrics on, no Prometheus scraping them)
+                  "kit default": kit((), launch="cold", cpu_sample=True, scraped=False),
+                  "twin default": twin((), cpu_sample=True),
                   # plain Ray Train (bench/ray_alone.py: a TorchTrainer with Ray's defaults, an empty train function)
                   "ray alone": Spec("ray", ())},
             "d": {name: kit(o, storage="s3", scrape_every=scrape, cpu_sample=True) for name, o in ckpt.items()},

@@ -284,3 +284,12 @@ def test_a_figure_without_a_reference_by_design_is_well_formed_a_missing_referen
     assert problems(runner, [single]) == []
     assert problems(runner, [paired_row]) == ["(c) the default job, wall clock (s; ratio = kit / twin): no figure "
                                               "(kit 16.0, reference None)"]
+
+
+def test_the_default_job_runs_as_on_a_laptop_nothing_scraping_its_exporter():
+    """A scraped exporter waits at the end for a scrape of its last values; nobody scrapes `make train`."""
+    from bench.run import Plan
+
+    c = Plan("full", ("kit",)).specs["c"]
+    assert c["kit default"].metrics_on and not c["kit default"].scraped
+    assert c["kit cold"].scraped and c["kit warm"].scraped
