@@ -1,7 +1,8 @@
 # Benchmarks: the kit side by side with bare torchrun (bench/). Included by the
 # Makefile, whose $(PY) / $(VENV) it uses. The full run takes about half an hour
 # on 2 cores and writes bench/RESULTS.md, bench/results.png and build/bench/results.json;
-# CI runs only the smoke (every case once at tiny size, outputs checked, not numbers).
+# CI runs only a smoke: cases (c) and (e) at tiny size, outputs checked, not numbers
+# (tests/bench/test_bench_smoke.py); `make bench-smoke` runs every case's.
 
 BENCH_ARGS ?=
 
@@ -12,7 +13,7 @@ bench: venv ## Kit vs bare torchrun, every case, 3 interleaved rounds -> bench/R
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 .PHONY: bench-smoke
-bench-smoke: venv ## Every bench case once at tiny size; checks the outputs are well-formed (CI)
+bench-smoke: venv ## Every bench case once at tiny size; checks the outputs are well-formed (CI runs cases c and e)
 	$(PY) bench/run.py --smoke --out build/bench-smoke $(BENCH_ARGS)
 
 .PHONY: bench-gpu
