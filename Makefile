@@ -30,6 +30,10 @@ venv: $(VENV)/.installed ## Create .venv and install the kit with dev extras
 train: venv ## Train the default config (local Ray, 2 CPU workers, ./runs); CONFIG=... ARGS="--set k=v"
 	$(VENV)/bin/ray-app train --config $(CONFIG) $(ARGS)
 
+.PHONY: sweep
+sweep: venv ## Sweep the default config over configs/sweeps/digits.yaml (Ray Tune, ASHA) into ./runs/digits-sweep; SPACE=... ARGS="--set k=v"
+	$(VENV)/bin/ray-app sweep --config $(CONFIG) --space $(or $(SPACE),configs/sweeps/digits.yaml) --set run.name=digits-sweep $(ARGS)
+
 .PHONY: test
 test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker); CI's run, prints the slowest 25
 	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
@@ -68,6 +72,10 @@ chaos: venv ## One run on local Ray, N random SIGKILL/SIGTERM/SIGSTOP faults, en
 .PHONY: lint
 lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.toml); also run by the deploy tests
 	$(VENV)/bin/ruff check ray_app bench tests
+
+.PHONY: check-ray
+check-ray: venv ## Check each assumption the kit makes about Ray's private code against the installed Ray (ray_app/ray_seam.py)
+	$(PY) -m ray_app.ray_seam
 
 .PHONY: preflight
 preflight: venv ## Check config, storage and cluster without training

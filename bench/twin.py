@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ray_app.config import load_config  # noqa: E402  (the kit's pure pieces: no Ray, no Trainer)
 from ray_app.ddp import ResumableDistributedSampler, seed_everything  # noqa: E402
-from ray_app.loop import build_optimizer  # noqa: E402
+from ray_app.parts import build_optimizer  # noqa: E402
 from ray_app.plugins import build_data, build_model  # noqa: E402
 
 T_IMPORTS = time.time()

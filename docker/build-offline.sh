@@ -1,26 +1,37 @@
 #!/usr/bin/env bash
-# Build the CPU image with no container registry: how CI builds it here and how
-# air-gapped users build it.
-#   1. base image  ray-app-base:bookworm  from Debian packages (debootstrap), once
-#   2. wheelhouse  build/wheelhouse       every pinned wheel, downloaded once per lock
-#   3. image       docker build --target cpu, installing only from the wheelhouse
+# Build an image of the kit with no container registry: how CI builds the CPU
+# image here, how the long tier builds the GPU one, and how air-gapped users
+# build either.
+#   1. base image  ray-app-base:bookworm  from Debian packages (debootstrap), once;
+#                                         the same base for both targets
+#   2. wheelhouse  build/wheelhouse (cpu), build/wheelhouse-gpu (gpu: torch's CUDA
+#                  build and its nvidia-* wheels, about 3.5 GB): every pinned wheel,
+#                  downloaded once per lock
+#   3. image       docker build --target TARGET, installing only from the wheelhouse
 # Each step is skipped when its result is already there, so a second run only
-# re-runs `docker build` (whose layer cache does the rest).
+# re-runs `docker build` (whose layer cache does the rest). The last line says
+# the image's size and the seconds each step took.
 #
 # Environment (all optional):
-#   IMAGE        tag to build                     (default ray-app:0.1.0, as the Makefile)
+#   TARGET       cpu or gpu                       (default cpu)
+#   IMAGE        tag to build                     (default ray-app:0.1.0, gpu: ray-app:0.1.0-gpu, as the Makefile)
 #   BASE_IMAGE   local base image tag             (default ray-app-base:bookworm)
 #   WHEELHOUSE   wheel folder; must be build/wheelhouse or build/wheelhouse-* (the
 #                only build/ folders .dockerignore lets into the build context)
+#                (default build/wheelhouse, gpu: build/wheelhouse-gpu)
 #   PYTHON       Python 3.11 with pip, for `pip download` (default .venv/bin/python, else python3)
 #   DEBIAN_MIRROR  mirror for debootstrap         (default: debootstrap's own)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-IMAGE=${IMAGE:-ray-app:0.1.0}
+TARGET=${TARGET:-cpu}
+case "$TARGET" in
+  cpu) IMAGE=${IMAGE:-ray-app:0.1.0}; WHEELHOUSE=${WHEELHOUSE:-build/wheelhouse} ;;
+  gpu) IMAGE=${IMAGE:-ray-app:0.1.0-gpu}; WHEELHOUSE=${WHEELHOUSE:-build/wheelhouse-gpu} ;;
+  *) printf '[build-offline] TARGET=%s: use cpu or gpu\n' "$TARGET" >&2; exit 2 ;;
+esac
 BASE_IMAGE=${BASE_IMAGE:-ray-app-base:bookworm}
-WHEELHOUSE=${WHEELHOUSE:-build/wheelhouse}
-REQUIREMENTS=docker/requirements-cpu.txt
+REQUIREMENTS=docker/requirements-$TARGET.txt
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -78,13 +89,22 @@ fill_wheelhouse() {
 }
 
 build_image() {
-  log "docker build --target cpu -t $IMAGE (base $BASE_IMAGE, wheels from $WHEELHOUSE)"
-  docker build -f docker/Dockerfile --target cpu \
+  log "docker build --target $TARGET -t $IMAGE (base $BASE_IMAGE, wheels from $WHEELHOUSE)"
+  # Both base arguments name the same local base: the gpu target needs no CUDA base image.
+  # Only the target's stages (docker/stages.sh): the legacy builder would build the other's too.
+  bash docker/stages.sh "$TARGET" | docker build -f - --target "$TARGET" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg GPU_BASE_IMAGE="$BASE_IMAGE" \
     --build-arg WHEELHOUSE="$WHEELHOUSE" \
     -t "$IMAGE" .
 }
 
+t0=$SECONDS
 build_base_image
+t1=$SECONDS
 fill_wheelhouse
+t2=$SECONDS
 build_image
+t3=$SECONDS
+size=$(docker image inspect -f '{{.Size}}' "$IMAGE")
+log "$IMAGE ($TARGET): $((size / 1000000)) MB; base $((t1 - t0)) s, wheelhouse $((t2 - t1)) s, docker build $((t3 - t2)) s, $((t3 - t0)) s in all"

@@ -17,5 +17,5 @@ bench-smoke: venv ## Every bench case once at tiny size; checks the outputs are 
 	$(PY) bench/run.py --smoke --out build/bench-smoke $(BENCH_ARGS)
 
 .PHONY: bench-gpu
-bench-gpu: ## On a GPU machine: cases a, c, d with one GPU, bf16, kit vs a bare loop, MFU (bench/gpu.sh)
+bench-gpu: ## On a machine with one GPU, <= 8 min: kit vs a bare loop (bf16, MFU), checkpoints, DDP vs FSDP, the GPU image (bench/gpu.sh)
 	bash bench/gpu.sh

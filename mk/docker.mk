@@ -18,13 +18,17 @@ image: ## Build the CPU image $(IMAGE) (pinned python base; BASE_IMAGE=... to ov
 	  $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) -t $(IMAGE) .
 
 .PHONY: image-gpu
-image-gpu: ## Build the CUDA image $(IMAGE_GPU) (nvidia/cuda base; GPU_BASE_IMAGE=... to override)
-	docker build -f docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) \
+image-gpu: ## Build the CUDA image $(IMAGE_GPU): the same python base, torch's CUDA wheels from the index (GPU_BASE_IMAGE=... to override)
+	bash docker/stages.sh gpu | docker build -f - --target gpu --build-arg VERSION=$(VERSION) \
 	  $(if $(GPU_BASE_IMAGE),--build-arg GPU_BASE_IMAGE=$(GPU_BASE_IMAGE)) -t $(IMAGE_GPU) .
 
 .PHONY: image-offline
 image-offline: ## Build $(IMAGE) without a registry: debootstrap base + local wheelhouse
 	IMAGE=$(IMAGE) docker/build-offline.sh
+
+.PHONY: image-gpu-offline
+image-gpu-offline: ## Build $(IMAGE_GPU) without a registry: the same debootstrap base + a wheelhouse of torch's CUDA wheels (3.1 GB)
+	TARGET=gpu IMAGE=$(IMAGE_GPU) docker/build-offline.sh
 
 # Random secrets, made once, mode 600, never printed.
 .ray-token .minio-secret:

@@ -66,6 +66,14 @@ k8s-dashboard: ## Forward the Ray dashboard and job API to http://127.0.0.1:8265
 	echo "Ray dashboard of $$cluster: http://127.0.0.1:8265 (Ctrl-C stops)"; \
 	$(KUBECTL) -n $(K8S_NAMESPACE) port-forward --address 127.0.0.1 svc/$$cluster-head-svc 8265:8265
 
+.PHONY: kueue-setup
+kueue-setup: k8s-tree ## A team's admin, once: Kueue's ClusterQueue and ResourceFlavor, the PriorityClasses, K8S_NAMESPACE's LocalQueue (k8s/kueue; Kueue 0.15+)
+	@$(KUBECTL) get crd clusterqueues.kueue.x-k8s.io localqueues.kueue.x-k8s.io >/dev/null 2>&1 || { \
+	  echo "kueue-setup: Kueue's CRDs are not installed in this cluster; install Kueue 0.15 or newer (docs/kubernetes.md, \"Queues and priorities\")" >&2; exit 2; }
+	KUBECTL="$(KUBECTL)" k8s/scripts/render.sh $(K8S_TREE)/namespace build/k8s/namespace "" "$(K8S_NAMESPACE)" | $(KUBECTL) apply -f -
+	KUBECTL="$(KUBECTL)" k8s/scripts/render.sh $(K8S_TREE)/kueue/cluster-queue build/k8s/kueue-cluster-queue "" "" | $(KUBECTL) apply -f -
+	KUBECTL="$(KUBECTL)" k8s/scripts/render.sh $(K8S_TREE)/kueue/local-queue build/k8s/kueue-local-queue "" "$(K8S_NAMESPACE)" | $(KUBECTL) apply -f -
+
 .PHONY: kind-down
 kind-down: ## Delete the kind cluster (MinIO's checkpoints go with it)
 	kind delete cluster --name $(KIND_CLUSTER)

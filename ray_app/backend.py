@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass
 
 import ray
-from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
-from ray.train.v2._internal.util import TrainingFramework
+
+from ray_app import ray_seam
 
 
 @dataclass
@@ -42,7 +42,7 @@ class KitTorchConfig(BackendConfig):
 
     @property
     def framework(self):
-        return TrainingFramework.TORCH
+        return ray_seam.torch_framework()
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
@@ -108,7 +108,7 @@ class KitTorchBackend(Backend):
     share_cuda_visible_devices: bool = True
 
     def on_start(self, worker_group, backend_config: KitTorchConfig):
-        addr, port = worker_group.execute_single(0, get_address_and_port)
+        addr, port = worker_group.execute_single(0, ray_seam.address_and_port)
         worker_group.execute(_set_rendezvous, addr=addr, port=port)
         worker_group.execute(_set_torchrun_variables)
         size = len(worker_group)
@@ -122,5 +122,7 @@ class KitTorchBackend(Backend):
         try:
             ray.get(worker_group.execute_async(_shut_down, destroy=len(worker_group) > 1),
                     timeout=backend_config.shutdown_timeout_s)
-        except GetTimeoutError:
-            pass  # a rank that does not answer is being torn down with its group anyway
+        except (GetTimeoutError, ray.exceptions.RayError):
+            # a rank that does not answer, or one already dead (a killed worker), is torn down with its
+            # group anyway; Ray Train would log the error as a failed graceful shutdown, a traceback for nothing
+            pass

@@ -24,7 +24,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -32,28 +31,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
 
-from ray_app.errors import CheckpointDamaged, CheckpointError, StorageError
-from ray_app.storage import split_uri
+from ray_app import catalog
+from ray_app.catalog import FORMAT, MANIFEST, Verification, check_manifest, checkpoint_dir_name, read_verified
+from ray_app.errors import CheckpointDamaged, CheckpointError, first_line
 
 log = logging.getLogger("ray_app.checkpoint")
-
-MANIFEST = "manifest.json"
-FORMAT = "ray_app.checkpoint/1"  # the training loop's checkpoints
-SCRIPT_FORMAT = "ray_app.script/1"  # what a `ray-app run` script passes to ray_app.script.save()
-# what a manifest of each format must list (a manifest of another format is not a ray_app checkpoint)
-REQUIRED_FILES = {FORMAT: ("model.pt", "optimizer.pt", "state.json", "config.json"), SCRIPT_FORMAT: ("state.pt",)}
-PREFIX = "ckpt-s"
-
-
-def checkpoint_dir_name(global_step: int) -> str:
-    """Sortable by step, then time; unique so nothing is ever overwritten."""
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    return f"{PREFIX}{global_step:09d}-{stamp}-{os.urandom(2).hex()}"
 
 
 def sha256_file(path: Path) -> str:
@@ -189,137 +175,15 @@ class Snapshot:
                                  rng_per_rank=s["rng"], state=s["state"], config=s["config"], metrics=s["metrics"])
 
 
-def upload_checkpoint_dir(local: Path, storage, rel: str) -> None:
-    """Copy a written checkpoint to storage: data files first, the manifest last (the commit)."""
+def upload_checkpoint_dir(local: Path, storage, rel: str, before_commit=None) -> None:
+    """Copy a written checkpoint to storage: data files first, the manifest last (the commit), after
+    ``before_commit()`` (the lease's fence: it raises when another driver holds the run)."""
     files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST)
     for f in files:
         storage.upload_file(str(f), f"{rel}/{f.relative_to(local).as_posix()}")
+    if before_commit is not None:
+        before_commit()
     storage.upload_file(str(local / MANIFEST), f"{rel}/{MANIFEST}")
-
-
-# ---------------------------------------------------------------- verifying
-
-@dataclass
-class Verification:
-    name: str
-    ok: bool
-    problems: list[str]
-    manifest: dict | None
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self.problems) if self.problems else "ok"
-
-
-def manifest_format(manifest: dict) -> str:
-    """The format a manifest names; CheckpointError unless it is one of ``REQUIRED_FILES`` (a real check,
-    not an ``assert``: it holds under ``python -O`` too)."""
-    found = manifest.get("format")
-    if found not in REQUIRED_FILES:
-        raise CheckpointError(f"manifest of an unknown format {found!r} (known: {', '.join(REQUIRED_FILES)}): "
-                              "not a ray_app checkpoint, or one of a newer version")
-    return found
-
-
-_MALFORMED = (ValueError, KeyError, TypeError, AttributeError)  # what parsing a malformed manifest raises
-
-
-def _check(storage, rel: str, name: str, fmt: str | None) -> tuple[Verification, dict[str, int]]:
-    """(what ``check_manifest`` says, the files present with their sizes)."""
-    present = storage.list_files(rel)  # a storage error propagates: an outage is no reason to skip a checkpoint
-    if MANIFEST not in present:
-        return Verification(name, False, ["no manifest (incomplete or not a ray_app checkpoint)"], None), present
-    raw = storage.read_bytes(f"{rel}/{MANIFEST}")  # likewise
-    try:
-        manifest = json.loads(raw)
-        entries = {str(k): (str(m["sha256"]), int(m["bytes"])) for k, m in dict(manifest["files"]).items()}
-    except _MALFORMED:
-        return Verification(name, False, ["manifest unreadable (not JSON with a files mapping)"], None), present
-    try:
-        found = manifest_format(manifest)
-    except CheckpointError as exc:
-        return Verification(name, False, [str(exc)], None), present
-    if fmt is not None and found != fmt:
-        return Verification(name, False, [f"a {found} checkpoint, not {fmt}"], manifest), present
-    problems = []
-    for fname, (_, size) in sorted(entries.items()):
-        if fname not in present:
-            problems.append(f"missing file {fname}")
-        elif present[fname] != size:
-            problems.append(f"size mismatch in {fname}")
-    for required in REQUIRED_FILES[found]:
-        if required not in entries:
-            problems.append(f"manifest lists no {required}")
-    return Verification(name, not problems, problems, manifest), present
-
-
-def check_manifest(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
-    """What can be checked reading nothing but the manifest: it parses, its format, every file it lists is
-    present at its size, the format's required files are listed. The sha256 of each file is checked where
-    the file is read (``load_verified``, ``verify``).
-
-    Content problems make a not-ok Verification; storage errors (listing or reading the manifest) propagate,
-    so a caller waits an outage out or fails over, never skips a good checkpoint for it."""
-    return _check(storage, rel, name or rel.rsplit("/", 1)[-1], fmt)[0]
-
-
-def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -> Verification:
-    """Check every manifest entry (presence, size, sha256) without loading anything.
-
-    ``fmt``: the format the caller can load (None: any of ``REQUIRED_FILES``, as ``ray-app checkpoints`` lists).
-    Storage errors propagate (``check_manifest``)."""
-    v, present = _check(storage, rel, name or rel.rsplit("/", 1)[-1], fmt)
-    if v.manifest is None or (fmt is not None and v.manifest.get("format") != fmt):
-        return v
-    problems = list(v.problems)
-    for fname, meta in sorted(v.manifest["files"].items()):
-        if present.get(fname) == meta["bytes"] and \
-                hashlib.sha256(storage.read_bytes(f"{rel}/{fname}")).hexdigest() != meta["sha256"]:
-            problems.append(f"sha256 mismatch in {fname}")
-    return Verification(v.name, not problems, problems, v.manifest)
-
-
-def list_checkpoints(storage, run: str) -> list[str]:
-    """Checkpoint dir names of a run, oldest first."""
-    return [d for d in storage.list_dirs(run) if d.startswith(PREFIX)]
-
-
-def newest_verified(storage, run: str, warn=log.warning, fmt: str = FORMAT) -> tuple[str | None, list[Verification]]:
-    """The newest checkpoint of format ``fmt`` whose manifest matches; broken newer ones are skipped with a warning."""
-    skipped = []
-    for name in reversed(list_checkpoints(storage, run)):
-        v = verify(storage, f"{run}/{name}", name, fmt)
-        if v.ok:
-            return name, skipped
-        warn(f"skipping checkpoint {storage.uri(run, name)}: {v.reason}")
-        skipped.append(v)
-    return None, skipped
-
-
-def newest_committed_config(storage, run: str) -> tuple[str, dict] | None:
-    """(URI, config) of the newest checkpoint of a run that has a manifest, its config.json checked against
-    it (cheap: the other files are not read). None when the run has no committed checkpoint.
-    Storage errors propagate."""
-    for name in reversed(list_checkpoints(storage, run)):
-        found = _committed_config(storage, f"{run}/{name}")
-        if found is not None:
-            return found
-    return None
-
-
-def _committed_config(storage, rel: str) -> tuple[str, dict] | None:
-    """(URI, config) of one checkpoint if its manifest checks out (``check_manifest``: every file present at
-    its size) and its config.json matches it; else None. Reads the manifest and config.json only."""
-    v = check_manifest(storage, rel, fmt=FORMAT)
-    if not v.ok:
-        return None  # not committed, incomplete, or not the loop's
-    data = storage.read_bytes(f"{rel}/config.json")
-    if hashlib.sha256(data).hexdigest() != v.manifest["files"]["config.json"]["sha256"]:
-        return None
-    try:
-        return storage.uri(rel), json.loads(data)
-    except _MALFORMED:
-        return None
 
 
 # ---------------------------------------------------------------- loading
@@ -340,18 +204,9 @@ def load_torch_bytes(data: bytes, where: str = "checkpoint file"):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # e.g. a pickled object weights_only refuses: bad input, not a crash
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        first = first_line(exc, 200)
         raise CheckpointError(f"{where} cannot be loaded with torch.load(weights_only=True) "
                               f"({type(exc).__name__}: {first}); it is not a plain ray_app checkpoint") from None
-
-
-def read_verified(storage, rel: str, files: dict, name: str) -> bytes:
-    """One file of a checkpoint, read once and hashed against its manifest entry (``files``: the manifest's);
-    CheckpointDamaged if it does not match."""
-    data = storage.read_bytes(f"{rel}/{name}")
-    if hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
-        raise CheckpointDamaged(storage.uri(rel), f"sha256 mismatch in {name}")
-    return data
 
 
 MODEL_FILES = ("model.pt", "state.json", "config.json")  # what evaluation and export load
@@ -390,69 +245,37 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
                             load("scheduler.pt") if "scheduler.pt" in data else {}, rng, state, config, created)
 
 
-def load_newest(storage, rels: list[str], rank: int | None, warn=log.warning) -> LoadedCheckpoint | None:
-    """The first of ``rels`` (newest first) that loads: one whose manifest does not check out, or whose
-    files do not match it, is skipped with a warning. Storage errors propagate."""
-    for rel in rels:
+def load_newest(storage, run: str, rank: int | None, warn=log.warning, *,
+                model_only: bool = False) -> LoadedCheckpoint | None:
+    """The newest checkpoint of ``run`` that loads (``ray_app.catalog.find``): one whose manifest does not
+    check out, or whose files do not match it, is skipped with a warning. Storage errors propagate."""
+    for found in catalog.find(storage, run, check=catalog.MANIFEST_OK, warn=warn):
         try:
-            return load_verified(storage, rel, rank)
+            return load_verified(storage, found.rel, rank, model_only=model_only, checked=found.verification)
         except CheckpointDamaged as exc:
             warn(f"skipping checkpoint {exc.uri}: {exc.reason}")
     return None
 
 
-def committed_config(uri: str) -> tuple[str, dict]:
-    """(URI, config) of a checkpoint URI, or of a run URI's newest committed checkpoint, reading only its
-    manifest and config.json (checked against it): what the driver compares before a warm start."""
-    storage, last = split_uri(uri)
-    if not last.startswith(PREFIX):
-        found = newest_committed_config(storage, last)
-        if found is None:
-            _no_checkpoint(uri, storage, last)
-        return found
-    found = _committed_config(storage, last)
-    if found is None:
-        if not storage.list_files(last):
-            raise StorageError(f"{uri}: no such checkpoint; list them with `ray-app checkpoints list RUN_URI`")
-        v = check_manifest(storage, last, fmt=FORMAT)
-        reason = v.reason if not v.ok else "sha256 mismatch in config.json"
-        raise CheckpointError(f"checkpoint {storage.uri(last)} failed verification: {reason}; "
-                              "see `ray-app checkpoints verify`")
-    return found
+def resolve_checkpoint_uri(uri: str, retry_s: float = 0.0) -> tuple[object, str]:
+    """A checkpoint URI, or a run URI (-> its newest checkpoint whose manifest checks out), as (storage, rel)
+    (``ray_app.catalog``). No file but manifests is read: ``load_verified`` hashes what it loads."""
+    found = catalog.named_or_newest(uri, check=catalog.MANIFEST_OK, retry_s=retry_s, warn=log.warning)
+    return found.storage, found.rel
 
 
-def _no_checkpoint(uri: str, storage, run: str) -> NoReturn:
-    if list_checkpoints(storage, run):
-        raise CheckpointError(f"{uri}: no checkpoint of this run passes verification; "
-                              "see `ray-app checkpoints verify`")
-    raise StorageError(f"{uri}: no checkpoints found; pass a run URI such as runs/NAME or s3://bucket/prefix/NAME")
-
-
-def checkpoint_rels(uri: str) -> tuple[object, list[str]]:
-    """(storage, rels newest first) of a checkpoint URI (one) or a run URI (its checkpoints)."""
-    storage, last = split_uri(uri)
-    if last.startswith(PREFIX):
-        if not storage.list_files(last):
-            raise StorageError(f"{uri}: no such checkpoint; list them with `ray-app checkpoints list RUN_URI`")
-        return storage, [last]
-    names = list_checkpoints(storage, last)
-    if not names:
-        _no_checkpoint(uri, storage, last)
-    return storage, [f"{last}/{n}" for n in reversed(names)]
-
-
-def resolve_checkpoint_uri(uri: str) -> tuple[object, str]:
-    """A checkpoint URI, or a run URI (-> its newest checkpoint whose manifest checks out), as (storage, rel).
-    No file but manifests is read: ``load_verified`` hashes what it loads."""
-    storage, rels = checkpoint_rels(uri)
-    if uri.rstrip("/").rsplit("/", 1)[-1].startswith(PREFIX):
-        return storage, rels[0]
-    for rel in rels:
-        v = check_manifest(storage, rel, fmt=FORMAT)
-        if v.ok:
-            return storage, rel
-        log.warning(f"skipping checkpoint {storage.uri(rel)}: {v.reason}")
-    _no_checkpoint(uri, storage, rels[0].rsplit("/", 1)[0])
+def load_named_or_newest(uri: str, rank: int | None, *, model_only: bool = False, retry_s: float = 0.0,
+                         then: str | None = None, warn=log.warning) -> LoadedCheckpoint:
+    """The checkpoint a URI names (one whose files do not match its manifest: ``CheckpointError``), or the
+    newest of a run URI that loads (damaged newer ones skipped with ``warn``): ``ray-app eval`` and export."""
+    storage, run, name = catalog.locate(uri, retry_s, then)
+    if name is not None:
+        found = catalog.named_or_newest(uri, check=catalog.MANIFEST_OK, retry_s=retry_s, then=then)
+        return load_verified(found.storage, found.rel, rank, model_only=model_only, checked=found.verification)
+    loaded = load_newest(storage, run, rank, warn, model_only=model_only)
+    if loaded is None:
+        catalog.no_checkpoint(uri, storage, run)
+    return loaded
 
 
 class Checkpointer:
@@ -460,7 +283,7 @@ class Checkpointer:
 
     It owns the cadence (``every_epochs``, ``every_steps``, the final one) and the
     account of time training was blocked (``blocked_seconds``, ``written``): the loop
-    asks ``step_due`` / ``epoch_due`` / ``final_due`` and calls ``save`` on every rank, with
+    asks ``due`` at every step boundary (``final_due`` at the end) and calls ``save`` on every rank, with
     the name the writer rank took from ``new_name`` (every rank reports that one name).
     ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
     (Ray Train's ``ray.train.report`` in production).
@@ -473,8 +296,9 @@ class Checkpointer:
     """
 
     def __init__(self, storage, run: str, report, *, every_epochs: int = 1, every_steps: int = 0,
-                 resume_from: str = "", warn=log.warning, staged: bool = False):
+                 resume_from: str = "", warn=log.warning, staged: bool = False, retry_s: float = 0.0):
         self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
+        self.retry_s = retry_s  # the budget of run.resume_from's storage (failure.storage_retry_s)
         self.every_epochs, self.every_steps, self.staged = every_epochs, every_steps, staged
         self.last_uri: str | None = None
         self.warm_start = False  # the restored checkpoint came from run.resume_from, not from this run
@@ -483,15 +307,25 @@ class Checkpointer:
         self._pending_blocked: float | None = None
         self._uploaded: threading.Event | None = None
         self.on_commit = None  # called with (uri, global_step) once a checkpoint is committed (rank 0's trackers)
+        self.before_commit = None  # called before each manifest is written (the lease's fence: one writer per run)
+        self.batches_per_epoch, self.epochs, self.max_steps = float("inf"), 1 << 62, 0  # until plan()
 
     # ------------------------------------------------------------ cadence
-    def step_due(self, pos, batches_per_epoch: int) -> bool:
-        """Mid-epoch checkpoints every ``every_steps`` optimizer steps (epoch ends have their own)."""
-        return bool(self.every_steps) and pos.global_step % self.every_steps == 0 and pos.batches_done < batches_per_epoch
+    def plan(self, *, batches_per_epoch: int, epochs: int, max_steps: int = 0) -> None:
+        """What the run will train (the loop says it once): where epochs end, how many, train.max_steps."""
+        self.batches_per_epoch, self.epochs, self.max_steps = batches_per_epoch, epochs, max_steps
 
-    def epoch_due(self, epochs_done: int, total_epochs: int) -> bool:
-        """Every ``every_epochs`` epochs; the last epoch is left to the final checkpoint."""
-        return bool(self.every_epochs) and epochs_done % self.every_epochs == 0 and epochs_done < total_epochs
+    def due(self, pos, *, epoch_end: bool = False) -> bool:
+        """Whether to checkpoint at this step boundary (``epoch_end``: the one after an epoch's evaluation;
+        ``pos.epoch`` already counts it). Every ``every_steps`` optimizer steps inside an epoch, every
+        ``every_epochs`` epochs at their end; never the run's last boundary (all epochs done, or
+        train.max_steps reached): that is the final checkpoint's (``final_due``)."""
+        if self.max_steps and pos.global_step >= self.max_steps:
+            return False
+        if epoch_end:
+            return bool(self.every_epochs) and pos.epoch % self.every_epochs == 0 and pos.epoch < self.epochs
+        return bool(self.every_steps) and pos.global_step % self.every_steps == 0 and \
+            pos.batches_done < self.batches_per_epoch
 
     def final_due(self, global_step: int, resumed_from_step: int) -> bool:
         """The run ends on a checkpoint unless checkpoints are off or this start trained nothing new."""
@@ -502,15 +336,13 @@ class Checkpointer:
     def restore(self, rank: int) -> LoadedCheckpoint | None:
         """The newest checkpoint of this run that loads (broken newer ones skipped with a warning), else
         run.resume_from's (a warm start), else None for a fresh start. Each file is read once."""
-        rels = [f"{self.run}/{name}" for name in reversed(list_checkpoints(self.storage, self.run))]
-        loaded = load_newest(self.storage, rels, rank, self.warn)
+        loaded = load_newest(self.storage, self.run, rank, self.warn)
         if loaded is None and self.resume_from:
             self.warm_start = True
-            storage, rels = checkpoint_rels(self.resume_from)
-            loaded = load_newest(storage, rels, rank, self.warn)
-            if loaded is None:
-                raise CheckpointError(f"run.resume_from {self.resume_from}: no checkpoint passes verification; "
-                                      "see `ray-app checkpoints verify`")
+            try:
+                loaded = load_named_or_newest(self.resume_from, rank, retry_s=self.retry_s, warn=self.warn)
+            except CheckpointError as exc:
+                raise CheckpointError(f"run.resume_from {self.resume_from}: {exc}") from None
         if loaded is not None:
             self.last_uri = loaded.uri
         return loaded
@@ -550,7 +382,7 @@ class Checkpointer:
             try:
                 if snapshot is not None:
                     write_checkpoint_dir(local_dir, snapshot.payload())
-                upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}")
+                upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}", self.before_commit)
                 if self.on_commit is not None:
                     self.on_commit(self.storage.uri(self.run, dir_name), metrics["global_step"])
             finally:

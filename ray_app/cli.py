@@ -5,7 +5,8 @@ bucket, unreadable or tampered checkpoint or shard, a run held by another driver
 one line naming the key or resource and the fix; 1 a failure during training (or in
 the data set ``ray-app data write`` packs); 143 a
 training run stopped by a SIGTERM to the driver after its checkpoint was committed;
-130 interrupted (SIGINT, Ctrl-C), after the checkpoint at the next step.
+130 interrupted (SIGINT, Ctrl-C), after the checkpoint at the next step. The table of what
+each failure is and the code it ends with: ``ray_app.failures``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import time
 from pathlib import Path
 
 from ray_app import __version__
-from ray_app.errors import BAD_INPUT, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, RunInterrupted, RunStopped, StorageError, TrainingFailed, exit_code
+from ray_app.errors import RunInterrupted, RunStopped, TrainingFailed
+from ray_app.failures import BAD_INPUT, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, exit_code, one_line
 from ray_app.shards import DEFAULT_SHARD_MB
+
+RETRY_DEFAULT_S = 120.0  # = failure.storage_retry_s's default (a unit test checks)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         a = csub.add_parser(name, help=help_text)
         a.add_argument("uri", metavar="RUN_OR_CHECKPOINT_URI")
         a.add_argument("--json", action="store_true", help="machine-readable output")
+        a.add_argument("--storage-retry-s", type=float, default=RETRY_DEFAULT_S, metavar="SECONDS",
+                       help=f"how long an unreachable store is waited out (default {RETRY_DEFAULT_S:g}, as "
+                            "failure.storage_retry_s)")
         if name == "export":
             a.add_argument("--out", required=True, metavar="FILE", help="where to write the state_dict (.pt)")
             a.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
@@ -105,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = dsub.add_parser("verify", help="check every shard's size and sha256 against DEST's manifest")
     v.add_argument("dest", metavar="DEST", help="s3://bucket/prefix or a local folder")
 
+    _sweep_args(sub)
+
     g = sub.add_parser("config", help="every config key with its default and help, or the JSON Schema of config files")
     gsub = g.add_subparsers(dest="action", required=True, parser_class=_Parser)
     k = gsub.add_parser("keys", help="every config key: type, default and help")
@@ -112,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     gsub.add_parser("schema", help="the JSON Schema (draft 2020-12) of config files, for editors "
                                    "(configs/schema.json is its output)")
     return p
+
+
+def _sweep_args(sub) -> None:
+    s = sub.add_parser("sweep", help="Ray Tune trials over a space of config keys, each a run of the kit; "
+                                     "`sweep show SWEEP_URI` prints a sweep's table",
+                       usage="ray-app sweep [-h] --space SPACE [--config FILE] [--set KEY=VALUE] [--summary FILE]\n"
+                             "       ray-app sweep show SWEEP_URI",
+                       description="Runs (or resumes) the sweep {run.storage}/{run.name}: see docs/sweeps.md.")
+    _config_args(s)
+    s.add_argument("--space", metavar="SPACE", help="YAML space file: metric, mode, trials, concurrent, scheduler, space")
+    s.add_argument("--summary", metavar="FILE", help="also write the summary JSON to FILE")
+    s.add_argument("show", nargs="?", choices=["show"], help=argparse.SUPPRESS)
+    s.add_argument("uri", nargs="?", metavar="SWEEP_URI", help=argparse.SUPPRESS)
 
 
 def _load(args):
@@ -195,21 +217,15 @@ def cmd_config(args) -> int:
 
 
 def cmd_checkpoints(args) -> int:
-    from ray_app import checkpoint as ck
+    from ray_app import catalog
 
     if args.action == "export":
         return _export(args)
-    storage, last = ck.split_uri(args.uri)
-    if last.startswith(ck.PREFIX):
-        run, names = None, [last]
-        rels = [last]
-    else:
-        run, names = last, ck.list_checkpoints(storage, last)
-        rels = [f"{last}/{n}" for n in names]
-        if not names:
-            raise StorageError(f"{args.uri}: no checkpoints found; pass a run URI such as runs/NAME or "
-                                  "s3://bucket/prefix/NAME")
-    rows = [_describe(storage, rel, name) for rel, name in zip(rels, names)]
+    storage, run, name = catalog.locate(args.uri, args.storage_retry_s, then=catalog.AT_START)
+    names = [name] if name is not None else catalog.list_checkpoints(storage, run)
+    if not names:
+        catalog.no_checkpoint(args.uri, storage, run)
+    rows = [_describe(storage, f"{run}/{n}" if run else n, n) for n in names]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -220,8 +236,10 @@ def cmd_checkpoints(args) -> int:
             print(f"{r['name']}  epoch {r['epoch']}  step {r['global_step']}  {r['time']}  "
                   f"{r['bytes'] / 1e6:.2f} MB  {shown + '  ' if shown else ''}{status}")
     if args.action == "verify":
-        bad = [r for r in rows if not r["verified"]]
-        if bad and (run is None or bad[-1] is rows[-1] or len(bad) == len(rows)):
+        # a folder without a manifest is an upload that never committed: never loaded, not a failure by itself
+        committed = [r for r in rows if not r["problems"].startswith("no manifest")] or rows
+        bad = [r for r in committed if not r["verified"]]
+        if bad and (name is not None or bad[-1] is committed[-1] or len(bad) == len(committed)):
             print(f"ray-app: error: {len(bad)} of {len(rows)} checkpoints failed verification "
                   f"(newest bad: {bad[-1]['uri']}); do not load them", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -229,9 +247,9 @@ def cmd_checkpoints(args) -> int:
 
 
 def _describe(storage, rel: str, name: str) -> dict:
-    from ray_app import checkpoint as ck
+    from ray_app import catalog
 
-    v = ck.verify(storage, rel, name)
+    v = catalog.verify(storage, rel, name)
     files = storage.list_files(rel)
     metrics, man = {}, v.manifest or {}
     if v.ok:
@@ -250,14 +268,16 @@ def _describe(storage, rel: str, name: str) -> dict:
 def _export(args) -> int:
     import torch
 
+    from ray_app import catalog
     from ray_app import checkpoint as ck
 
     out = Path(args.out)
     if out.exists() and not args.force:
         print(f"ray-app: error: --out {out} already exists; choose another path or pass --force", file=sys.stderr)
         return EXIT_BAD_INPUT
-    storage, rel = ck.resolve_checkpoint_uri(args.uri)
-    loaded = ck.load_verified(storage, rel, rank=None, model_only=True)
+    loaded = ck.load_named_or_newest(args.uri, rank=None, model_only=True, retry_s=args.storage_retry_s,
+                                     then=catalog.AT_START,
+                                     warn=lambda m: print(f"ray-app: WARNING: {m}", file=sys.stderr))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     torch.save(loaded.model, tmp)
@@ -317,12 +337,38 @@ def _verify_shards(dest: str) -> int:
     return EXIT_OK
 
 
+def cmd_sweep(args) -> int:
+    from ray_app import sweep_space
+    from ray_app.errors import UserError
+
+    if args.show:
+        from ray_app import sweep
+
+        if not args.uri:
+            raise UserError("sweep show: SWEEP_URI is missing: ray-app sweep show {run.storage}/{run.name}")
+        summary, record = sweep.show_sweep(args.uri)
+        sweep.show(summary, record)
+        _emit_summary(summary, args.summary)
+        return EXIT_OK
+    if not args.space:
+        raise UserError("--space SPACE is missing: ray-app sweep --space space.yaml [--config FILE] [--set ...]")
+    cfg = _load(args)
+    space = sweep_space.load_space(args.space, cfg)
+    from ray_app import sweep
+
+    configs = sweep_space.check_trials(space, cfg, sweep.sweep_uri(cfg))  # every trial's config, before Ray starts
+    summary, record = sweep.run_sweep(cfg, space, configs)
+    sweep.show(summary, record)
+    _emit_summary(summary, args.summary)
+    return sweep.exit_code_of(record)
+
+
 def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints,
-            "run": cmd_run, "config": cmd_config, "data": cmd_data}
+            "run": cmd_run, "config": cmd_config, "data": cmd_data, "sweep": cmd_sweep}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,16 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (*BAD_INPUT, TrainingFailed, RunStopped, RunInterrupted, KeyboardInterrupt) as exc:
-        print(_one_line(exc), file=sys.stderr)
+        print(one_line(exc), file=sys.stderr)
         return exit_code(exc)
-
-
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, BAD_INPUT):
-        return f"ray-app: error: {exc}"
-    if isinstance(exc, KeyboardInterrupt):
-        return "ray-app: interrupted"
-    return f"ray-app: training failed: {exc}" if isinstance(exc, TrainingFailed) else f"ray-app: {exc}"
 
 
 def run() -> None:

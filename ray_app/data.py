@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ray_app.errors import ConfigError
+from ray_app.errors import ConfigError, first_line
 from ray_app.plugins import check_builtin_data_folder
 
 DIGITS_SPLIT_SEED = 1234  # fixed, independent of run.seed: the eval set never changes
@@ -152,7 +152,7 @@ def imagefolder(path: str, image_size: int = 32):
         train = datasets.ImageFolder(str(root / "train"), transform=tf)
         val = datasets.ImageFolder(str(root / "val"), transform=tf)
     except (FileNotFoundError, OSError) as exc:  # no class folders, or a class with no images
-        first = (str(exc).splitlines() or [""])[0][:200]
+        first = first_line(exc, 200)
         raise ConfigError(f"config key data.path: {root}: {first}; "
                           "lay the images out as train/<class>/*.png and val/<class>/*.png") from None
     if train.classes != val.classes:

@@ -8,9 +8,9 @@ and turn rank 0's result into the summary: ``run_training`` (``ray-app train``),
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
+import json
 import logging
 import os
 import signal
@@ -19,8 +19,9 @@ import threading
 import time
 import uuid
 
+from ray_app import ray_seam
 from ray_app.config import Config, config_from_dict
-from ray_app.errors import ConfigError, RunInterrupted, RunStopped, TrainingFailed, UserError
+from ray_app.errors import ConfigError, TrainingFailed, UserError
 from ray_app.worker import ResultSlot, worker_main
 
 
@@ -86,40 +87,11 @@ def init_ray(cfg: Config) -> None:
         # Ray Train needs no dashboard; starting one (a head process and its ~10 module processes, each
         # importing Ray) made ray.init wait ~5 s longer on 2 cores. RAY_APP_DASHBOARD=1 starts it, on 127.0.0.1.
         dashboard = local_dashboard(os.environ)
-        with lean_local_ray(api_server=dashboard):
+        # no autoscaler monitor, and without the dashboard no API server (ray_app.ray_seam.lean_local_ray)
+        with ray_seam.lean_local_ray(api_server=dashboard):
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=dashboard,
                      dashboard_host="127.0.0.1", logging_level=logging.WARNING)
     _check_capacity(cfg, ray.cluster_resources(), bool(address))
-
-
-@contextlib.contextmanager
-def lean_local_ray(api_server: bool):
-    """While a local Ray starts here: no autoscaler monitor, and without the dashboard no API server.
-
-    ``include_dashboard=False`` still starts Ray's API server process (the dashboard head with only its
-    usage-stats module) and ``ray.init`` polls until it has published its address: ~0.9 s of a ~3.5 s
-    ``ray.init`` on 2 cores. The monitor drives an autoscaler a local Ray does not have (the kit also
-    keeps Ray Train's autoscaling coordinator away, ``ray_app.scaling_policy``), imports Ray while the
-    workers start, and at ``ray.shutdown`` ignores SIGTERM for 1 s before Ray kills it (the kit used to
-    kill it after ``ray.init``; now it never starts). A bare probe on 2 cores against Ray's defaults:
-    ``ray.init`` 3.8 -> 2.0 s, ``ray.shutdown`` 1.4 -> 0.3 s. Through Ray's ``Node`` (no public call
-    starts a local Ray without them); if Ray renames these methods, both start as before."""
-    try:
-        from ray._private.node import Node
-    except ImportError:
-        yield
-        return
-    patched = {"start_monitor": lambda self: None}
-    if not api_server:
-        patched["start_api_server"] = lambda self, **kwargs: None
-    saved = {name: getattr(Node, name) for name in patched if callable(getattr(Node, name, None))}
-    try:
-        for name in saved:
-            setattr(Node, name, patched[name])
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(Node, name, method)
 
 
 DASHBOARD_ENV = "RAY_APP_DASHBOARD"
@@ -220,45 +192,13 @@ LEAN_DROPPED_CALLBACKS = ("DatasetsCallback", "PlacementGroupCleanerCallback")
 def lean_trainer_class():
     """``TorchTrainer`` without the callbacks in ``LEAN_DROPPED_CALLBACKS``, with the kit's failure policy
     (``ray_app.failure_policy``), and, where ``without_autoscaler`` is set on it, without Ray's autoscaling
-    coordinator (``ray_app.scaling_policy``). Built on first use: importing ray.train.torch
-    imports torch, which the CLI does not need for other commands. The hooks it overrides are Ray Train
-    V2's (Ray 2.60, the version the kit pins); without them the kit stops rather than run without its
-    failure policy."""
-    from ray.train.torch import TorchTrainer
-
+    coordinator (``ray_app.scaling_policy``); the private hooks it overrides are the seam's
+    (``ray_app.ray_seam.trainer_class``). Built on first use: importing ray.train.torch imports torch,
+    which the CLI does not need for other commands."""
     from ray_app.failure_policy import KitFailurePolicy
-    from ray_app.scaling_policy import elastic_that_learns, without_autoscaler
+    from ray_app.scaling_policy import controller_scaling_policy
 
-    missing = [h for h in ("_create_default_callbacks", "_initialize_and_run_controller")
-               if not callable(getattr(TorchTrainer, h, None))]
-    if missing:
-        import ray
-
-        raise RuntimeError(f"Ray {ray.__version__}'s TorchTrainer has no {', '.join(missing)}: the kit needs "
-                           "Ray Train V2 as in Ray 2.60 (pip install 'ray[train,default]==2.60.*')")
-
-    class LeanTorchTrainer(TorchTrainer):
-        without_autoscaler = False  # set for a Ray the kit started itself: nothing to ask for resources
-        kit_handles_sigint = False  # set where the driver's SIGINT checkpoints first (ray_app.preemption)
-
-        def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            drop = set(LEAN_DROPPED_CALLBACKS) - ({"DatasetsCallback"} if self.datasets else set())
-            return [cb for cb in callbacks if type(cb).__name__ not in drop]
-
-        def _register_sigint_handler(self, controller):
-            if not self.kit_handles_sigint:  # else the kit's (preemption.stop_on_sigterm): a checkpoint first
-                super()._register_sigint_handler(controller)
-
-        def _initialize_and_run_controller(self, **kwargs):
-            kwargs["failure_policy"] = KitFailurePolicy(self.run_config.failure_config)
-            if self.without_autoscaler:
-                kwargs["scaling_policy"] = without_autoscaler(kwargs["scaling_policy"])
-            if "scaling_policy" in kwargs:  # elastic: after a group that did not start, ask for one fewer
-                kwargs["scaling_policy"] = elastic_that_learns(kwargs["scaling_policy"])
-            return super()._initialize_and_run_controller(**kwargs)
-
-    return LeanTorchTrainer
+    return ray_seam.trainer_class(LEAN_DROPPED_CALLBACKS, KitFailurePolicy, controller_scaling_policy)
 
 
 def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: str, fs=None):
@@ -288,8 +228,8 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
             name=run_name, storage_path=storage_path, storage_filesystem=fs,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             # the notice only means something to the kit's own loop: a script or an evaluation keeps Ray's exit
-            callbacks=[preemption.worker_callback()] if cfg.failure.preemption_checkpoint and job["mode"] == "train"
-            else [],
+            callbacks=[cb for cb in [preemption.worker_callback()] if cb is not None]
+            if cfg.failure.preemption_checkpoint and job["mode"] == "train" else [],
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             # Ray Train's own INFO lines (every report, every rank) drown the progress lines
             logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),
@@ -328,11 +268,11 @@ def preflight_run(cfg: Config):
     preflight(storage)
     _check_resume(cfg, storage)
     if cfg.run.resume_from:
-        from ray_app.checkpoint import committed_config
+        from ray_app.catalog import committed_config
         from ray_app.errors import CheckpointError
 
-        try:
-            uri, saved = committed_config(cfg.run.resume_from)  # its manifest and config.json only
+        try:  # its manifest and config.json only; an outage is waited out for failure.storage_retry_s
+            uri, saved = committed_config(cfg.run.resume_from, retry_s=cfg.failure.storage_retry_s)
         except (CheckpointError, StorageError) as exc:
             raise UserError(f"config key run.resume_from: {exc}") from None
         from ray_app.config import resume_conflicts
@@ -344,17 +284,12 @@ def preflight_run(cfg: Config):
     return storage
 
 
-CHECKPOINT_PREFIX = "ckpt-s"  # = ray_app.checkpoint.PREFIX (a unit test checks), known here without torch
-
-
 def _check_resume(cfg: Config, storage) -> None:
     """A run resumes only with the config its checkpoints depend on (config.RESUME_MUST_MATCH)."""
-    if not any(d.startswith(CHECKPOINT_PREFIX) for d in storage.list_dirs(cfg.run.name)):
-        return  # a new run: ray_app.checkpoint (torch, seconds of the driver's start-up) is not imported
-    from ray_app.checkpoint import newest_committed_config
+    from ray_app.catalog import newest_committed_config
     from ray_app.config import resume_conflicts
 
-    found = newest_committed_config(storage, cfg.run.name)
+    found = newest_committed_config(storage, cfg.run.name)  # the catalog imports no torch
     if found is None:
         return
     uri, saved = found
@@ -371,19 +306,13 @@ class WorkerLogs:
     the last epoch line) travel from its log file through Ray's log monitor (which looks every 0.1 s) and
     GCS to the driver; ``ray.shutdown`` stops that stream, and what is still on its way is lost. ``drain``
     waits until the stream has been quiet for ``quiet_s`` (at most ``most_s``) before the driver shuts Ray
-    down. Through Ray's stdstream dispatcher (private); if Ray changes it, ``drain`` waits ``quiet_s``."""
+    down. Through the seam's ``WorkerLogStream``; without it, ``drain`` waits ``quiet_s``."""
 
-    HANDLER = "ray_app_worker_logs"
+    HANDLER = ray_seam.WorkerLogStream.HANDLER
 
     def __init__(self):
         self.last = time.monotonic()
-        try:
-            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-
-            dispatcher.add_handler(self.HANDLER, self._seen)
-            self._dispatcher = dispatcher
-        except Exception:  # a Ray refactor must never break a run
-            self._dispatcher = None
+        self._stream = ray_seam.WorkerLogStream(self._seen)
 
     def _seen(self, data) -> None:
         self.last = time.monotonic()
@@ -392,8 +321,7 @@ class WorkerLogs:
         start = time.monotonic()
         while time.monotonic() - start < most_s and time.monotonic() - max(self.last, start) < quiet_s:
             time.sleep(0.02)
-        if self._dispatcher is not None:
-            self._dispatcher.remove_handler(self.HANDLER)
+        self._stream.close()
 
 
 def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) -> dict:
@@ -461,31 +389,12 @@ def resume_command() -> str:
 
 
 def raise_worker_failure(error, interrupted: bool = False) -> None:
-    """One line for bad input found by a worker (exit 2); the user's traceback once for their bug (exit 1);
-    one line for a run stopped at the driver's SIGTERM (exit 143) or SIGINT (exit 130, with the command
-    that resumes it)."""
-    from ray_app.errors import Diverged, Stopped, UserCodeError
+    """The exception the failure table gives a run that ended on ``error`` (``ray_app.failures.at_driver``):
+    one line for bad input (exit 2), the user's traceback once for their bug (exit 1), one line for a run
+    stopped at the driver's SIGTERM (exit 143) or SIGINT (exit 130, with the command that resumes it)."""
+    from ray_app import failures
 
-    failures = getattr(error, "worker_failures", None) or {}
-    by_rank = [failures[r] for r in sorted(failures)]
-    if by_rank and all(isinstance(e, Stopped) for e in by_rank):
-        stopped = str(by_rank[0]).strip().splitlines()[0]
-        if interrupted:
-            raise RunInterrupted(f"interrupted: {stopped}; resume with: {resume_command()}")
-        raise RunStopped(stopped)
-    diverged = [e for e in by_rank if isinstance(e, Diverged)]
-    if diverged:
-        raise TrainingFailed(str(diverged[0]).strip().splitlines()[0])
-    bad_input = [e for e in by_rank if isinstance(e, ConfigError)]
-    if bad_input:
-        raise UserError(str(bad_input[0]).strip().splitlines()[0])
-    user = [e for e in by_rank if isinstance(e, UserCodeError)]
-    if user:
-        sys.stderr.write(f"ray-app: rank {user[0].rank} raised in your code:\n{user[0].traceback_text}")
-        sys.stderr.flush()
-        raise TrainingFailed(f"{user[0].summary} (rank {user[0].rank}; traceback above)")
-    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
-    raise TrainingFailed((lines[-1] if lines else type(error).__name__)[:500])
+    raise failures.at_driver(error, interrupted=interrupted, resume_command=resume_command())
 
 
 def run_training(cfg: Config) -> dict:
@@ -494,9 +403,13 @@ def run_training(cfg: Config) -> dict:
 
     storage = preflight_run(cfg)
     t0 = time.perf_counter()
+    done = completed_run(cfg, storage)
+    if done is not None:  # nothing left to train: no Ray, no workers
+        return done
     storage_path, fs = storage.ray_storage()
-    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s):  # one writer per run, taken before Ray starts
-        m = launch(cfg, {"mode": "train"}, cfg.run.name, storage_path, fs)
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:  # one writer per run, before Ray starts
+        # the workers commit a checkpoint only while the lease holds this driver's token
+        m = launch(cfg, {"mode": "train", "lease_token": lease.token}, cfg.run.name, storage_path, fs)
     return {
         "run": cfg.run.name,
         "checkpoint": m.get("checkpoint"),
@@ -521,16 +434,41 @@ def run_training(cfg: Config) -> dict:
     }
 
 
+def completed_run(cfg: Config, storage) -> dict | None:
+    """The summary of a run whose newest committed checkpoint already ends it (``train.epochs`` done, or
+    ``train.max_steps`` reached), said in one line; None when there is training left. Reads its manifest,
+    config and metrics only (the catalog: no torch, no Ray)."""
+    from ray_app import catalog
+
+    found = catalog.newest(storage, cfg.run.name, check=catalog.CONFIG_OK)
+    if found is None:
+        return None
+    manifest = found.verification.manifest
+    step, epoch = int(manifest.get("global_step") or 0), int(manifest.get("epoch") or 0)
+    if epoch < cfg.train.epochs and not (cfg.train.max_steps and step >= cfg.train.max_steps):
+        return None
+    try:
+        metrics = json.loads(catalog.read_verified(storage, found.rel, manifest["files"], "metrics.json"))
+    except Exception:  # an older checkpoint without it, or one that does not match: the summary has no metrics
+        metrics = {}
+    print(f"ray-app: run {cfg.run.name} is complete: {found.uri} is at epoch {epoch}, step {step} "
+          f"(train.epochs={cfg.train.epochs}); nothing to train. Raise train.epochs to train on, or use another "
+          "run.name for a new run", file=sys.stderr, flush=True)
+    return {"run": cfg.run.name, "checkpoint": found.uri, "epochs": epoch, "global_step": step,
+            "train_loss": metrics.get("train_loss"), **{k: v for k, v in metrics.items() if k.startswith("eval_")},
+            "train_seconds": 0.0, "wall_seconds": 0.0, "resumed_from_step": step, "complete": True}
+
+
 def run_eval(uri: str, overrides: list[str]) -> dict:
     """``ray-app eval``: the exact evaluation of a saved checkpoint on the workers. The data, model and task
     are rebuilt from the checkpoint's own config (``--set`` may change keys such as ``scaling.num_workers``)."""
     import tempfile
 
-    from ray_app.checkpoint import committed_config
+    from ray_app.catalog import committed_config, is_checkpoint_name
     from ray_app.errors import CheckpointError
 
-    try:
-        checkpoint, saved = committed_config(uri)  # its manifest and config.json: the workers load the rest
+    try:  # its manifest and config.json: the workers load the rest; an outage is waited out
+        checkpoint, saved = committed_config(uri, retry_s=retry_budget(overrides))
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     try:
@@ -538,11 +476,25 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     except ConfigError as exc:
         raise ConfigError(f"--set: {exc}") from None
     validate_before_ray(cfg)
-    m = launch(cfg, {"mode": "eval", "checkpoint": checkpoint}, f"eval-{cfg.run.name}",
+    # a run URI: the workers take its newest checkpoint that loads (a damaged newer one skipped)
+    named = checkpoint if is_checkpoint_name(uri.rstrip("/").rsplit("/", 1)[-1]) else uri
+    m = launch(cfg, {"mode": "eval", "checkpoint": named}, f"eval-{cfg.run.name}",
                tempfile.mkdtemp(prefix="ray-app-eval-"))
     return {"checkpoint": m["checkpoint"], "global_step": m["global_step"],
             **{k: v for k, v in m.items() if k.startswith("eval_")},
             "num_samples": m["num_samples"], "world_size": cfg.scaling.num_workers}
+
+
+def retry_budget(overrides: list[str]) -> float:
+    """``failure.storage_retry_s`` as ``--set`` gives it, else its default: the budget of a command's own
+    storage reads before it has a config (``ray-app eval`` reads the checkpoint's)."""
+    from ray_app.config import FailureSection
+
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].strip() == "failure.storage_retry_s"]
+    try:
+        return float(given[-1]) if given else FailureSection().storage_retry_s
+    except ValueError:
+        raise ConfigError(f"--set failure.storage_retry_s={given[-1]}: not a number of seconds") from None
 
 
 def run_script(cfg: Config, script: str, args: list[str]) -> dict:

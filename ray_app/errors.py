@@ -1,7 +1,8 @@
-"""Every exception the kit raises on purpose, when each is raised, and the exit code it ends a command with.
+"""Every exception the kit raises on purpose, and when each is raised.
 
 Callers import their exceptions from here only, so no module imports another just to catch its error.
-``exit_code`` is the one table the command line uses (``ray_app.cli``):
+What each failure means (how a worker wraps it, what the failure policy decides, what the driver raises,
+the exit code and the one line shown) is the table in ``ray_app.failures``:
 
 - 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``ShardError``,
   ``UserError``, ``RunHeld`` (another driver holds the run's lease);
@@ -18,7 +19,6 @@ fault: the worker group restarts).
 from __future__ import annotations
 
 import os
-import signal
 import traceback
 from pathlib import Path
 
@@ -35,23 +35,35 @@ class UserCodeError(RuntimeError):
     """An exception raised inside the user's code on a worker, carried to the driver as text.
 
     ``fingerprint`` says where it happened (exception type, message, the innermost frames, the
-    global step); the same fingerprint after a restart means a bug, not a fault.
+    global step at which it was raised); the same fingerprint after a restart means a bug, not a fault.
+    ``step``: that global step (-1: before training started).
     """
 
-    def __init__(self, summary: str, traceback_text: str, fingerprint: str, rank: int):
-        super().__init__(summary, traceback_text, fingerprint, rank)
+    def __init__(self, summary: str, traceback_text: str, fingerprint: str, rank: int, step: int = -1,
+                 report: bool = False):
+        super().__init__(summary, traceback_text, fingerprint, rank, step, report)
         self.summary, self.traceback_text, self.fingerprint, self.rank = summary, traceback_text, fingerprint, rank
+        self.step, self.report = step, report
 
     def __str__(self) -> str:
         return self.summary
 
+    @property
+    def where(self) -> str:
+        return f"at step {self.step}" if self.step >= 0 else "before training"
+
+    @property
+    def shown_above(self) -> str:
+        """What the driver writes above the last line: the traceback, or the data pipeline's report."""
+        return "its report" if self.report else "traceback"
+
     @classmethod
-    def from_data_pipeline(cls, exc: BaseException, rank: int) -> UserCodeError:
+    def from_data_pipeline(cls, exc: BaseException, rank: int, step: int = -1) -> UserCodeError:
         """A ``DataPipelineError`` (raised here or in a DataLoader worker): its report, shown as written."""
         report = DataPipelineError.report_of(exc).strip()
         lines = report.splitlines() or ["the data pipeline failed"]
         summary = f"in the data pipeline: {lines[-1]}"[:500]
-        return cls(summary, report + "\n", f"data|{report}", rank)
+        return cls(summary, report + "\n", f"data|{report}|step {step}", rank, step, report=True)
 
     @classmethod
     def from_exception(cls, exc: BaseException, rank: int, step: int, roots: tuple[str, ...]) -> UserCodeError | None:
@@ -64,9 +76,10 @@ class UserCodeError(RuntimeError):
         shown = [f for f in frames[mine[0]:] if not _plumbing(f)]
         text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(shown)) + \
             "".join(traceback.format_exception_only(type(exc), exc))
-        summary = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [type(exc).__name__])[0][:500]
+        summary = f"{type(exc).__name__}: {first_line(exc, limit=500)}" if str(exc).strip() else type(exc).__name__
         where = frames[mine[-1]]
-        return cls(summary, text, f"{type(exc).__qualname__}|{exc}|{where.filename}:{where.lineno}|step {step}", rank)
+        return cls(summary, text, f"{type(exc).__qualname__}|{exc}|{where.filename}:{where.lineno}|step {step}", rank,
+                   step)
 
 
 _PLUMBING = {("module.py", "_wrapped_call_impl"), ("module.py", "_call_impl"), ("distributed.py", "forward"),
@@ -191,20 +204,3 @@ class PeerLost(RuntimeError):
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """An error's first non-blank line, at most ``limit`` characters; its type's name if it has none."""
     return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)[:limit]
-
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 128 + signal.SIGTERM, 130
-BAD_INPUT = (ConfigError, StorageError, CheckpointError, ShardError, UserError, RunHeld)  # one line naming the key or resource
-
-
-def exit_code(exc: BaseException) -> int | None:
-    """The exit code a command ends with for ``exc``; None for an exception the kit did not raise on purpose."""
-    if isinstance(exc, BAD_INPUT):
-        return EXIT_BAD_INPUT
-    if isinstance(exc, TrainingFailed):
-        return EXIT_FAILED
-    if isinstance(exc, RunStopped):
-        return EXIT_STOPPED
-    if isinstance(exc, (RunInterrupted, KeyboardInterrupt)):
-        return EXIT_INTERRUPTED
-    return None

@@ -1,81 +1,45 @@
 """How the kit tells a bug from a fault when a worker group fails (runs in Ray Train's controller).
 
-- Bad input found by a worker (a ``ConfigError``, e.g. a plug-in that breaks its contract or a
-  data folder laid out wrongly) ends the run at once: it would fail the same way on every restart.
-- An exception raised in the user's code (``UserCodeError``) is retried once, like a fault: data on a
-  network file system may be back a moment later. If the next attempt fails with the same
-  exception, message, place in the user's code and global step, it is a bug: the run ends there
-  instead of burning the remaining ``failure.max_failures`` restarts.
-- Preemption (every rank raised ``Preempted`` after the checkpoint it agreed on was committed)
-  restarts the group from that checkpoint without counting against ``failure.max_failures``, as Ray
-  Train counts its own preemptions separately.
-- Divergence (``Diverged``: a non-finite loss or gradient with ``train.nonfinite: stop``) ends the run: a
-  restart from the newest checkpoint would diverge again the same way.
-- A stop (every rank raised ``Stopped`` after the checkpoint of the driver's stop request was
-  committed) ends the run: the driver was told to stop.
-- Everything else (a killed or lost worker, a collective that failed, storage errors) follows Ray
-  Train's default policy: restart from the newest checkpoint up to ``failure.max_failures``.
-- A store that did not answer within ``failure.storage_retry_s`` (``StorageUnavailable``, an expected
-  fault) is shown as one line per restart, here, where the decision is made; the workers do not log it.
-- Every other restart is one line too, naming its cause: a worker's own error (a killed process, a lost
-  node) before the ranks that only lost a peer in a collective (``PeerLost``, whose tracebacks the workers
-  do not log), or the controller's (a group that did not start in time).
+The decision for each kind of failure is the table's (``ray_app.failures``): bad input, divergence and a
+stop end the run; preemption restarts without counting against ``failure.max_failures``; the user's own
+error restarts once, and ends the run when the same error recurs at the same global step (a bug, not a
+fault); everything else (a killed or lost worker, a hang, a lost peer, storage that did not answer within
+``failure.storage_retry_s``) follows Ray Train's default policy: a restart from the newest checkpoint up
+to ``failure.max_failures``. Every restart is one line, here, where the decision is made, naming its
+cause; the workers do not log the errors this line names.
 """
 
 from __future__ import annotations
 
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
-from ray.train.v2.api.exceptions import ControllerError
+from ray_app import failures, ray_seam
 
-from ray_app.errors import ConfigError, Diverged, PeerLost, Preempted, Stopped, StorageUnavailable, UserCodeError, first_line
+DefaultFailurePolicy, FailureDecision, is_preemption_failure = ray_seam.failure_policy_base()
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
     def __init__(self, failure_config):
         super().__init__(failure_config)
-        self._last_fingerprints: set[str] = set()
+        self.history = failures.FailureHistory()
 
     def make_decision(self, training_failed_error) -> FailureDecision:
-        errors = list((getattr(training_failed_error, "worker_failures", None) or {}).values())
-        if any(isinstance(e, (ConfigError, Stopped, Diverged)) for e in errors):
+        failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
+        controller = training_failed_error if not failed and hasattr(training_failed_error, "controller_failure") \
+            else None
+        decision = self.history.decide(failed, controller)
+        if decision.action == failures.STOP:
             return FailureDecision.RAISE
-        if errors and all(isinstance(e, Preempted) for e in errors):
+        if decision.action == failures.RETRY_FREE:
             return FailureDecision.RETRY
-        fingerprints = {e.fingerprint for e in errors if isinstance(e, UserCodeError)}
-        recurring = bool(fingerprints & self._last_fingerprints)
-        self._last_fingerprints = fingerprints
-        if recurring:
-            return FailureDecision.RAISE
-        decision = super().make_decision(training_failed_error)
-        if decision != FailureDecision.RETRY or fingerprints:  # the user's error: shown once, by the driver
-            return decision
+        ray_decision = super().make_decision(training_failed_error)
+        if ray_decision == FailureDecision.RETRY and decision.line:
+            print(failures.restart_line(decision.line, self._count(training_failed_error, controller)), flush=True)
+        return ray_decision
+
+    def _count(self, training_failed_error, controller) -> str:
+        worker_group, controller_failures = ray_seam.restarts_so_far(self)
+        if is_preemption_failure(training_failed_error):
+            return "a preemption: not counted against failure.max_failures"
+        if controller is not None:
+            return f"{controller_failures} of the controller's retries"
         limit = self.failure_config.max_failures
-        restart = f"restart {self._worker_group_failures} of {'unlimited' if limit == -1 else limit}: failure.max_failures"
-        storage = [e for e in errors if isinstance(e, StorageUnavailable)]
-        if storage:
-            print(f"ray-app: {first_line(storage[0])} ({restart})", flush=True)
-            return decision
-        cause = _cause(training_failed_error, errors)
-        if cause:
-            if _is_preemption_failure(training_failed_error):
-                restart = "a preemption: not counted against failure.max_failures"
-            elif isinstance(training_failed_error, ControllerError):
-                restart = f"{self._controller_failures} of the controller's retries"
-            print(f"ray-app: {cause}; the worker group restarts from the newest committed checkpoint ({restart})",
-                  flush=True)
-        return decision
-
-
-def _cause(training_failed_error, errors: list) -> str:
-    """One line naming why a worker group failed: a worker's own error before a rank that only lost its
-    peers (``PeerLost``), or the controller's (a group that did not start in time)."""
-    if isinstance(training_failed_error, ControllerError):
-        failure = getattr(training_failed_error, "controller_failure", training_failed_error)
-        return f"{type(failure).__name__}: {first_line(failure).split('. ')[0]}"  # Ray's hints left out
-    ranked = sorted((getattr(training_failed_error, "worker_failures", None) or {}).items(),
-                    key=lambda item: isinstance(item[1], PeerLost))
-    if not ranked:
-        return ""
-    rank, error = ranked[0]
-    return first_line(error) if isinstance(error, PeerLost) else f"rank {rank}: {type(error).__name__}: {first_line(error)}"
+        return f"restart {worker_group} of {'unlimited' if limit == -1 else limit}: failure.max_failures"

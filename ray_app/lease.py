@@ -160,7 +160,13 @@ class S3LeaseObject:
         self.bucket = storage.settings.bucket
 
     def _call(self, what: str, fn):
-        return self.storage._retry(what, fn)
+        try:
+            return self.storage.retry_raw(what, fn)
+        except Exception as exc:  # a refused condition is the lease's answer; anything else is one line
+            error = None if self._refused(exc) else self.storage.as_storage_error(exc, what)
+            if error is None:
+                raise
+            raise error from None
 
     @staticmethod
     def _refused(exc) -> bool:
@@ -225,6 +231,23 @@ def lease_store(storage, run: str):
     if hasattr(storage, "root"):
         return LocalLeaseFile(Path(storage.root) / run)
     return S3LeaseObject(storage, run)
+
+
+def fence(storage, run: str, token: str):
+    """A check for the workers, before each commit: ``RunHeld`` unless the run's lease still holds ``token``
+    (their driver's). A driver killed without releasing leaves its workers running until Ray notices; once
+    another driver has taken the run over, they must not commit another checkpoint (one writer per run)."""
+    store = lease_store(storage, run)
+
+    def check() -> None:
+        current = store.read()
+        record = current[0] if current else {}
+        if record.get("token") != token:
+            held = describe(record, time.time()) if record.get("token") else "nobody"
+            raise RunHeld(f"run {storage.uri(run)} is no longer held by this worker group's driver (now: {held}); "
+                          "no checkpoint is committed")
+
+    return check
 
 
 class RunLease:

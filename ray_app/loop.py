@@ -33,117 +33,21 @@ import contextlib
 import math
 import socket
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state
 from ray_app.config import Config
-from ray_app.ddp import ResumableDistributedSampler, assert_identical_parameters, data_samplers, first_dim, lr_lambda, seed_everything, to_device
-from ray_app.errors import Diverged, PluginError, Preempted, Stopped
-from ray_app.evaluation import EvalSet, Evaluator, describe
-from ray_app.plugins import build_data, build_model, build_task
+from ray_app.ddp import to_device
+from ray_app.errors import Preempted, Stopped
+from ray_app.evaluation import Evaluator
+from ray_app.guards import LossContract, NonFinite
+from ray_app.parts import Parts, Runtime
 from ray_app.preemption import STOP, TRAINING, Agreement
 from ray_app.progress import MetricsSink, Progress, RunStats
-from ray_app.resume import Position, restore
-
-# ---------------------------------------------------------------- the seam (the real object and test fakes)
-
-@runtime_checkable
-class Runtime(Protocol):
-    """Topology and the framework's calls, read in one place (``ray_app.worker.RayRuntime`` in production)."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-
-    def prepare_model(self, model: torch.nn.Module, bucket_cap_mb: int = 25) -> torch.nn.Module: ...
-
-    def report(self, metrics: dict, local_dir=None, dir_name=None, upload=None) -> None: ...
-
-
-# ---------------------------------------------------------------- building the parts
-
-@dataclass
-class Parts:
-    """Everything the loop trains with, built once per worker-group start."""
-
-    task: Any
-    model: torch.nn.Module  # DDP-wrapped
-    module: torch.nn.Module  # the user's module inside it
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    train_sampler: ResumableDistributedSampler
-    train_loader: DataLoader
-    loader_gen: torch.Generator
-    eval_set: EvalSet  # this rank's share of the eval set (ray_app.evaluation)
-    batches_per_epoch: int
-    steps_per_epoch: int
-    total_steps: int
-    param_keys: frozenset  # state-dict keys only an optimizer step changes (a staged checkpoint copies them later)
-
-
-def build_parts(cfg: Config, runtime: Runtime) -> Parts:
-    """Data, model, task, samplers, loaders, optimizer and LR schedule, in the order that keeps ranks equal."""
-    train_set, eval_set, info = build_data(cfg)
-    info = dict(info)
-    collate_fn = info.pop("collate_fn", None)  # a data plug-in may hand over its own
-    seed_everything(cfg.run.seed)  # practice 1: identical init on every rank
-    module = build_model(cfg, info).to(runtime.device)
-    model = runtime.prepare_model(module, bucket_cap_mb=cfg.train.bucket_cap_mb)
-    module = getattr(model, "module", model)
-    assert_identical_parameters(model)
-    seed_everything(cfg.run.seed * 1000 + runtime.rank)  # per-rank streams (dropout, augmentation)
-    task = build_task(cfg)
-
-    world, rank, bs = runtime.world_size, runtime.rank, cfg.data.batch_size
-    train_sampler, eval_sampler, eval_keep, streamed = data_samplers(train_set, eval_set, world, rank, cfg.run.seed)
-    # int64 from the sampler's iterator: no Python list of this rank's indices on the way
-    eval_indices = torch.from_numpy(np.fromiter(iter(eval_sampler), dtype=np.int64, count=len(eval_sampler)))
-    loader_gen = torch.Generator()  # reseeded every epoch: never touches the global RNG
-    pin = runtime.device.type == "cuda"
-    workers = 0 if streamed else cfg.data.loader_workers  # streamed shards: one prefetch thread per rank
-
-    def loader(dataset, sampler, generator):
-        return DataLoader(dataset, batch_size=bs, sampler=sampler, num_workers=workers,
-                          pin_memory=pin, generator=generator, collate_fn=collate_fn,
-                          persistent_workers=workers > 0)
-
-    batches_per_epoch = math.ceil(train_sampler.num_samples / bs)
-    steps_per_epoch = math.ceil(batches_per_epoch / cfg.train.grad_accum)
-    # the LR schedule is planned for all epochs; train.max_steps only stops early
-    # (like a preemption), so a run stopped that way resumes onto the same schedule
-    total_steps = steps_per_epoch * cfg.train.epochs
-    optimizer, scheduler = build_optimizer(cfg, model, steps_per_epoch, total_steps)
-    n_eval = len(eval_indices)
-    return Parts(
-        task=task, model=model, module=module, optimizer=optimizer, scheduler=scheduler,
-        train_sampler=train_sampler, train_loader=loader(train_set, train_sampler, loader_gen), loader_gen=loader_gen,
-        # its own generator too: iterating a DataLoader draws a seed, and evaluation
-        # must not move the training RNG (or a resumed run would diverge)
-        eval_set=EvalSet(
-            loader=loader(eval_set, eval_sampler, torch.Generator().manual_seed(cfg.run.seed)), indices=eval_indices,
-            keep=eval_keep,
-            batch_sizes=[min(bs, n_eval - i) for i in range(0, n_eval, bs)]),
-        batches_per_epoch=batches_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)),
-    )
-
-
-def build_optimizer(cfg: Config, model: torch.nn.Module, steps_per_epoch: int, total_steps: int):
-    t = cfg.train
-    if t.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    warmup = round(t.warmup_epochs * steps_per_epoch)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total_steps))
-
+from ray_app.resume import Position, TrainState, restore
 
 # ---------------------------------------------------------------- the loop
 
@@ -153,6 +57,9 @@ class Trainer:
     def __init__(self, cfg: Config, runtime: Runtime, parts: Parts, checkpointer, metrics: MetricsSink,
                  stats: RunStats | None = None, preemption: Agreement | None = None):
         self.cfg, self.rt, self.parts, self.ckpt, self.metrics = cfg, runtime, parts, checkpointer, metrics
+        if checkpointer is not None:  # its cadence is its own; it learns what the run will train
+            checkpointer.plan(batches_per_epoch=parts.batches_per_epoch, epochs=cfg.train.epochs,
+                              max_steps=cfg.train.max_steps)
         self.preemption = preemption or Agreement(enabled=False)  # asked at every step boundary
         self.leaving = 0  # the kind of notice every rank agreed on (PREEMPT, STOP): checkpoint at the next resumable boundary, leave
         self._checkpointed_at = -1  # global step of this attempt's newest checkpoint
@@ -172,10 +79,8 @@ class Trainer:
         self.last_eval: dict = {}
         self.last_train_loss = float("nan")
         self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
-        self._loss_checked = False  # the task's loss output is checked against the contract once
-        self.nonfinite = cfg.train.nonfinite  # stop | skip | ignore
-        self.skipped_steps = 0  # optimizer steps dropped for non-finite gradients (train.nonfinite=skip)
-        self._last_loss = None  # this rank's loss of the step's last micro-batch (for the divergence line)
+        self.loss_contract = LossContract(cfg.task.name)  # the task's loss output, checked once (ray_app.guards)
+        self.nonfinite = NonFinite(cfg.train.nonfinite, cfg.train.clip_grad_norm, self.rank, say=self.print0)
 
     def print0(self, msg: str) -> None:
         if self.is_rank0:
@@ -262,7 +167,7 @@ class Trainer:
             if self.pos.global_step % cfg.train.log_every_steps == 0:
                 self.progress.log(epoch=self.pos.epoch, global_step=self.pos.global_step, lr=self._lr())
             self.leaving = max(self.leaving, self.preemption.poll())  # 0, PREEMPT or STOP
-            if self.ckpt.step_due(self.pos, parts.batches_per_epoch) and not self._done():
+            if self.ckpt.due(self.pos):  # the checkpointer's cadence (every_steps; never the last step)
                 self.checkpoint()
             if self._done():
                 break
@@ -297,72 +202,21 @@ class Trainer:
         ctx = contextlib.nullcontext() if sync or not hasattr(self.model, "no_sync") else self.model.no_sync()
         with ctx:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                loss, n = self._task_loss(batch)
-            scaled = loss / group_size
-            if self.nonfinite != "ignore":
-                # a non-finite loss on any rank makes every rank's gradients NaN through DDP's own all-reduce:
-                # the ranks agree on a divergence at this step without a collective of their own (no host sync)
-                scaled = scaled * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
-            scaled.backward()
-        self._last_loss = loss.detach()
+                loss, n = self.loss_contract(self.task.loss(self.model, batch), batch)
+            # a non-finite loss on any rank: NaN gradients on every rank (ray_app.guards)
+            self.nonfinite.mask(loss, loss / group_size).backward()
         return loss, n
-
-    def _task_loss(self, batch):
-        out = self.task.loss(self.model, batch)
-        loss, n = (out, first_dim(batch)) if isinstance(out, torch.Tensor) else (out if isinstance(out, (tuple, list))
-                                                                                 and len(out) == 2 else (out, None))
-        if not self._loss_checked:
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-                raise PluginError(f"config key task.name: {self.cfg.task.name}.loss(model, batch) returned "
-                                  f"{describe(out)}; it must return (mean_loss, num_samples) with mean_loss a "
-                                  "scalar tensor that requires grad")
-            if not isinstance(n, (int, float, torch.Tensor)) or isinstance(n, bool) or \
-                    (isinstance(n, torch.Tensor) and n.numel() != 1) or float(n) <= 0:
-                raise PluginError(f"config key task.name: {self.cfg.task.name}.loss returned num_samples={n!r}; "
-                                  "it must be a positive number (the samples the mean is over)")
-            self._loss_checked = True
-        return loss.reshape(()), n
 
     def _optimizer_step(self) -> None:
         self._account(self.ckpt.settle())  # a staged snapshot is still copying what step() changes
-        finite = self._gradients_finite()
-        if finite:
+        if self.nonfinite.gradients_finite(self.model):  # the same answer on every rank (DDP's all-reduce)
             self.optimizer.step()
-        else:
-            self._nonfinite_step()  # stop: raises; skip: this step is dropped on every rank
+        else:  # stop: raises; skip: this step is dropped on every rank
+            self.nonfinite.step_dropped(self.pos.global_step + 1, self.ckpt.last_uri)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()  # a skipped step keeps its place in the LR schedule and the data order
         self.pos.global_step += 1
         self.stats.on_step(self.pos.global_step, self.cfg.data.batch_size * self.cfg.train.grad_accum * self.world_size)
-
-    def _gradients_finite(self) -> bool:
-        """Clip to ``train.clip_grad_norm``; whether the global gradient norm is finite. After DDP's
-        all-reduce every rank holds the same gradients, so every rank gets the same answer."""
-        if self.nonfinite == "ignore" and not self.cfg.train.clip_grad_norm:
-            return True
-        if self.cfg.train.clip_grad_norm:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_grad_norm)
-        else:  # the norm alone: one pass over the gradients, one number to the host
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return self.nonfinite == "ignore" or bool(torch.isfinite(norm))
-
-    def _nonfinite_step(self) -> None:
-        step = self.pos.global_step + 1
-        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-        if self.nonfinite == "skip":
-            self.skipped_steps += 1
-            self.print0(f"step {step}: the loss or the gradients are not finite (rank {self.rank}'s loss {loss:g}); "
-                        "this optimizer step is skipped on every rank (train.nonfinite=skip)")
-            return
-        newest = (f"newest good checkpoint: {self.ckpt.last_uri}; lower train.lr or set train.clip_grad_norm and run "
-                  "again to resume from it" if self.ckpt.last_uri else
-                  "no checkpoint was committed before it; lower train.lr or set train.clip_grad_norm")
-        raise Diverged(f"training diverged at step {step}: the loss or the gradients are not finite (rank "
-                       f"{self.rank}'s loss {loss:g}); {newest} (or set train.nonfinite=skip)")
-
-    def _parameters_finite(self) -> bool:
-        """Every rank holds the same parameters (DDP), so every rank gets the same answer."""
-        return all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
 
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]  # the LR in use (= the scheduler's, set by its step)
@@ -379,7 +233,7 @@ class Trainer:
         self.print0(f"epoch {self.pos.epoch} done: train loss {self.last_train_loss:.4f} {shown}")
         self.pos.epoch += 1
         self.pos.batches_done = self.pos.samples_done = 0
-        if self.ckpt.epoch_due(self.pos.epoch, self.cfg.train.epochs) and not self._done():
+        if self.ckpt.due(self.pos, epoch_end=True):
             self.checkpoint()
         else:
             self.rt.report(self._metrics_dict())  # one report per epoch on every rank (Ray's barrier)
@@ -397,7 +251,7 @@ class Trainer:
         """Every rank calls this at the same point (RNG gather + Ray's report are collectives). Parameters
         that are not finite are never committed (``train.nonfinite=ignore`` lets them come about): the
         step reports its metrics without a checkpoint, so retention keeps the newest good one."""
-        if not self._parameters_finite():
+        if not self.nonfinite.parameters_finite(self.module):
             self.print0(f"step {self.pos.global_step}: parameters are not finite; no checkpoint is committed "
                         f"(newest good: {self.ckpt.last_uri})")
             self.rt.report(dict(self._metrics_dict(), **(metrics or {})))  # Ray's barrier: every rank reports
@@ -413,10 +267,7 @@ class Trainer:
             payload = CheckpointPayload(
                 model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
                 scheduler=self.scheduler.state_dict(), rng_per_rank=rng_all,
-                state={"epoch": self.pos.epoch, "batches_done": self.pos.batches_done,
-                       "samples_done": self.pos.samples_done, "epoch_world_size": self.pos.epoch_world_size,
-                       "global_step": self.pos.global_step, "world_size": self.world_size,
-                       "last_eval": self.last_eval, "tracking": self.metrics.checkpoint_state()},
+                state=TrainState(self.pos, self.world_size, self.last_eval, self.metrics.checkpoint_state()).state_dict(),
                 config=self.cfg.to_dict(), metrics=metrics,
             )
         self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys,
@@ -429,7 +280,7 @@ class Trainer:
 
     def _final_metrics(self) -> dict:
         return {**self._metrics_dict(), "epochs": self.pos.epoch, "world_size": self.world_size,
-                "skipped_steps": self.skipped_steps,
+                "skipped_steps": self.nonfinite.skipped_steps,
                 "train_seconds": self.stats.train_seconds(),
                 "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
 

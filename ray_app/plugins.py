@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 
 from ray_app.config import Config
-from ray_app.errors import ConfigError, DataPipelineError, PluginError, ShardError, StorageError, StorageUnavailable
+from ray_app.errors import ConfigError, DataPipelineError, PluginError, ShardError, StorageError, StorageUnavailable, first_line
 
 KINDS = ("data", "model", "task")
 
@@ -135,7 +135,7 @@ def resolve(kind: str, name: str):
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({Path(exc.filename or '?').name}, line {exc.lineno})"
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    first = first_line(exc)
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
@@ -375,7 +375,7 @@ class GuardedCollate:
             indices = getattr(_FETCHED, "indices", None) or list(range(len(samples)))
             shapes = ", ".join(f"sample {i}: {_shape(s)}" for i, s in list(zip(indices, samples))[:16])
             more = f" (+{len(samples) - 16} more)" if len(samples) > 16 else ""
-            summary = (f"{type(exc).__name__}: {exc}".strip().splitlines() or [type(exc).__name__])[0][:300]
+            summary = f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
             report = (f"collating samples {_span(indices)} into a batch failed: {shapes}{more}\n"
                       f"{type(exc).__name__}: the samples of a batch must have equal shapes "
                       f"(or give data.name's info a collate_fn); {summary}")

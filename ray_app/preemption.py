@@ -30,15 +30,28 @@ NOTICE = threading.Event()
 _KIND = [0]  # the highest kind noticed by this process
 TRAINING = threading.Event()  # set while the training loop runs: only there can a notice be acted on
 _RAYS_HANDLER: list = []  # what SIGTERM did before install(): Ray's exit
+_UNSAID: list[str] = []  # a notice's line, said once the ranks agree to act on it
 
 
-def notify(why: str, kind: int = PREEMPT) -> None:
+def notify(why: str, kind: int = PREEMPT, say_now: bool = True) -> None:
+    """Set the notice. Its line is said now, or (``say_now=False``: a SIGTERM, which is also how Ray tears a
+    group down after another rank failed) only once every rank has agreed to act on it."""
     first = not NOTICE.is_set()
     _KIND[0] = max(_KIND[0], kind)
     NOTICE.set()
     if first:
         then = "then stopping" if kind == STOP else "then leaving"
-        print(f"ray-app: {why}: checkpointing at the next step boundary, {then}", file=sys.stderr, flush=True)
+        line = f"ray-app: {why}: checkpointing at the next step boundary, {then}"
+        if say_now:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            _UNSAID[:] = [line]
+
+
+def say_agreed() -> None:
+    """The notice's line, if it was kept until the ranks agreed."""
+    if _UNSAID:
+        print(_UNSAID.pop(), file=sys.stderr, flush=True)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -46,7 +59,7 @@ def _on_sigterm(signum, frame) -> None:
     boundary). Outside it (start-up, a group Ray tears down after an error or the end) and on a second
     SIGTERM, Ray's own handler runs: the worker exits."""
     if TRAINING.is_set() and not NOTICE.is_set():
-        notify("SIGTERM")
+        notify("SIGTERM", say_now=False)
         return
     previous = _RAYS_HANDLER[0] if _RAYS_HANDLER else signal.SIG_DFL
     if callable(previous):
@@ -78,8 +91,8 @@ def watch(interval_s: float = 0.5, drain_every: int = 4) -> None:
     is not initialized in this process or cannot answer. Never starts Ray."""
     try:
         import ray
-        from ray._private.state import state
-        from ray.experimental import internal_kv
+
+        from ray_app import ray_seam
 
         if not ray.is_initialized():
             return
@@ -87,10 +100,10 @@ def watch(interval_s: float = 0.5, drain_every: int = 4) -> None:
         node, key = ctx.get_node_id(), stop_key(ctx.get_job_id())
         polls = 0
         while not NOTICE.is_set():
-            if internal_kv._internal_kv_get(key) is not None:
+            if ray_seam.kv_get(key) is not None:
                 notify("the driver was told to stop", STOP)
                 return
-            if polls % drain_every == 0 and node in (state.get_draining_nodes() or {}):
+            if polls % drain_every == 0 and node in ray_seam.draining_nodes():
                 notify("Ray's drain notice for this node")
                 return
             polls += 1
@@ -110,7 +123,8 @@ def stop_on_sigterm(enabled: bool = True):
         yield received
         return
     import ray
-    from ray.experimental import internal_kv
+
+    from ray_app import ray_seam
 
     key = stop_key(ray.get_runtime_context().get_job_id())
     previous = {}
@@ -126,7 +140,7 @@ def stop_on_sigterm(enabled: bool = True):
             return
         received.append(signum)
         try:
-            internal_kv._internal_kv_put(key, b"1", overwrite=True)
+            ray_seam.kv_put(key, b"1")
         except Exception as exc:  # Ray is going away: nothing left to ask
             print(f"ray-app: {name}: could not ask the workers to stop ({exc})", file=sys.stderr, flush=True)
             give_up(signum)
@@ -143,14 +157,18 @@ def stop_on_sigterm(enabled: bool = True):
             signal.signal(signum, handler)
         if received:
             with contextlib.suppress(Exception):
-                internal_kv._internal_kv_del(key)
+                ray_seam.kv_del(key)
 
 
 def worker_callback():
     """A Ray Train WorkerCallback that installs the notice in every worker's main thread, each start."""
-    from ray.train.v2._internal.execution.callback import WorkerCallback
+    from ray_app import ray_seam
 
-    class PreemptionNotice(WorkerCallback):
+    base = ray_seam.worker_callback_base()
+    if base is None:  # without Ray's worker callbacks a SIGTERM ends a worker at once, as Ray does
+        return None
+
+    class PreemptionNotice(base):
         def after_init_train_context(self):
             install()
 
@@ -180,6 +198,8 @@ class Agreement:
         if self.work is not None:
             self.work.wait()
             agreed = int(self.flag.item())
+            if agreed:
+                say_agreed()
         self.flag.fill_(float(_KIND[0]) if NOTICE.is_set() else 0.0)
         self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return agreed

@@ -53,16 +53,19 @@ class RunStats:
     steady_t1: float | None = None
     steady_samples: int = 0
     t_start: float = 0.0
+    global_step: int = -1  # optimizer steps taken so far (-1 before training starts): where an error was raised
 
     def mark(self, name: str) -> None:
         self.timeline.setdefault(name, time.time())
 
     def start_training(self, global_step: int) -> None:
         self.t_start = time.perf_counter()
+        self.global_step = global_step
         self.steady_from_step = global_step + STEADY_SKIP_STEPS
 
     def on_step(self, global_step: int, samples_per_step: int) -> None:
         self.mark("first_step_unix")
+        self.global_step = global_step
         if global_step == self.steady_from_step:
             self.steady_t0 = time.perf_counter()
         elif self.steady_t0 is not None:

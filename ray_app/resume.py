@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ray_app.checkpoint import restore_rng_state
 from ray_app.config import Config, resume_conflicts
 from ray_app.ddp import seed_everything
-from ray_app.errors import CheckpointError, PluginError
+from ray_app.errors import CheckpointError, PluginError, first_line
 
 
 @dataclass
@@ -29,6 +29,34 @@ class Position:
     global_step: int = 0
     samples_done: int = 0
     epoch_world_size: int = 0
+
+
+@dataclass
+class TrainState:
+    """The one schema of a checkpoint's ``state.json``, written (``state_dict``) and read (``from_state_dict``)
+    here only: where training is, the world size it was at, the newest eval metrics (a resumed run's summary
+    and checkpoints carry them until it evaluates again) and the trackers' state (the MLflow run id, ...)."""
+
+    pos: Position
+    world_size: int
+    last_eval: dict = field(default_factory=dict)
+    tracking: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        p = self.pos
+        return {"epoch": p.epoch, "batches_done": p.batches_done, "samples_done": p.samples_done,
+                "epoch_world_size": p.epoch_world_size, "global_step": p.global_step, "world_size": self.world_size,
+                "last_eval": self.last_eval, "tracking": self.tracking}
+
+    @classmethod
+    def from_state_dict(cls, s: dict, batch_size: int, world_size: int) -> TrainState:
+        """Older checkpoints lack some keys: their samples read so far follow from the batches done at their
+        world size, and their epoch started at that world size (``world_size``: this run's, if theirs is missing)."""
+        saved_world = s.get("world_size", world_size)
+        pos = Position(s["epoch"], s["batches_done"], s["global_step"],
+                       s.get("samples_done", s["batches_done"] * batch_size * saved_world),
+                       s.get("epoch_world_size", saved_world))
+        return cls(pos, saved_world, s.get("last_eval", {}), s.get("tracking", {}))
 
 
 @dataclass
@@ -59,7 +87,7 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     try:
         parts.module.load_state_dict(loaded.model)
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0][:300]
+        first = first_line(exc)
         raise PluginError(f"checkpoint {loaded.uri} does not fit model.name={cfg.model.name} ({first}); "
                           "use another run.name for a changed model") from None
     if conflicts:  # a warm start from another run's checkpoint: its weights, a fresh start otherwise
@@ -68,11 +96,8 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     parts.optimizer.load_state_dict(loaded.optimizer)
     if loaded.scheduler:
         parts.scheduler.load_state_dict(loaded.scheduler)
-    s = loaded.state
-    saved_world = s.get("world_size", world_size)
-    pos = Position(s["epoch"], s["batches_done"], s["global_step"],
-                   s.get("samples_done", s["batches_done"] * cfg.data.batch_size * saved_world),
-                   s.get("epoch_world_size", saved_world))  # older checkpoints: the epoch started at their world
+    state = TrainState.from_state_dict(loaded.state, cfg.data.batch_size, world_size)
+    pos, saved_world = state.pos, state.world_size
     if saved_world != world_size:
         reshard(cfg, parts, pos, saved_world, world_size, say)
     apply_hyperparameters(cfg, parts.optimizer, parts.scheduler)
@@ -81,7 +106,7 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     else:  # a rank the checkpoint's world did not have: a stream of its own, derived, not the run's first
         seed_everything(cfg.run.seed * 1000 + rank + 1_000_003 * pos.global_step)
     say(f"resumed from {loaded.uri} at epoch {pos.epoch} batch {pos.batches_done} step {pos.global_step}")
-    return Resumed(pos, pos.global_step, loaded.created, s.get("last_eval", {}), s.get("tracking", {}))
+    return Resumed(pos, pos.global_step, loaded.created, state.last_eval, state.tracking)
 
 
 def reshard(cfg: Config, parts, pos: Position, saved_world: int, world_size: int, say=print) -> None:

@@ -290,7 +290,8 @@ def load() -> dict | None:
     name = _agree(s, _newest(s) if s.rank == 0 else None)
     if name is None:
         return None
-    from ray_app.checkpoint import MANIFEST, load_torch_bytes, read_verified
+    from ray_app.catalog import MANIFEST, read_verified
+    from ray_app.checkpoint import load_torch_bytes
 
     rel = f"{s.run}/{name}"
     manifest = json.loads(s.storage.read_bytes(f"{rel}/{MANIFEST}"))  # rank 0 verified it all just now
@@ -304,7 +305,8 @@ def load() -> dict | None:
 def _write_and_report(s: _Session, state: dict, metrics: dict) -> str:
     import torch
 
-    from ray_app.checkpoint import SCRIPT_FORMAT, checkpoint_dir_name, upload_checkpoint_dir, write_manifest
+    from ray_app.catalog import SCRIPT_FORMAT, checkpoint_dir_name
+    from ray_app.checkpoint import upload_checkpoint_dir, write_manifest
 
     if s.next_number is None:  # after every directory of the run, committed or not, so ours sorts newest
         s.next_number = _after_newest(s.storage, s.run)
@@ -321,14 +323,13 @@ def _write_and_report(s: _Session, state: dict, metrics: dict) -> str:
 
 
 def _after_newest(storage, run: str) -> int:
-    from ray_app.checkpoint import PREFIX, list_checkpoints
+    from ray_app.catalog import list_checkpoints, step_of
 
-    numbers = [int(m.group(1)) for n in list_checkpoints(storage, run) if (m := re.match(rf"{PREFIX}(\d+)-", n))]
-    return max(numbers, default=0) + 1
+    return max((step_of(n) or 0 for n in list_checkpoints(storage, run)), default=0) + 1
 
 
 def _newest(s: _Session) -> str | None:
-    from ray_app.checkpoint import SCRIPT_FORMAT, newest_verified
+    from ray_app.catalog import SCRIPT_FORMAT, newest_verified
 
     name, _ = newest_verified(s.storage, s.run, warn=lambda m: print(f"ray-app: WARNING: {m}", flush=True),
                               fmt=SCRIPT_FORMAT)

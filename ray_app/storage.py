@@ -8,6 +8,7 @@ from them the boto3 client the kit uses (the pyarrow filesystem Ray Train uses i
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ray_app.errors import StorageError
+from ray_app.errors import StorageError, StorageUnavailable
 from ray_app.retry import Retrying
 
 READ_CHUNK = 1 << 20  # bytes a streamed read (``read_into``) holds at a time
@@ -80,8 +81,16 @@ class LocalStorage:
         dst = self._p(rel)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
-        shutil.copyfile(local, tmp)
-        os.replace(tmp, dst)
+        try:
+            shutil.copyfile(local, tmp)
+            os.replace(tmp, dst)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)  # no partial file left behind
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):  # the same on every retry
+                raise StorageError(f"run.storage {self.root}: {exc.strerror} writing {rel}; free space there (or "
+                                   "fix its permissions), or point run.storage elsewhere; the same run then "
+                                   "resumes from its newest committed checkpoint") from None
+            raise
 
     def ray_storage(self):
         """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
@@ -109,7 +118,10 @@ def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
     where = settings.endpoint or "AWS"
     if isinstance(exc, (EndpointConnectionError, ConnectionError)):
         return f"cannot reach the S3 endpoint {where}; check AWS_ENDPOINT_URL_S3 and that the store is running"
-    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+    if isinstance(exc, PartialCredentialsError):  # botocore names the variable that is missing, never a value
+        return (f"the AWS credentials are incomplete ({exc}); set both AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or neither (AWS_PROFILE, a role)")
+    if isinstance(exc, NoCredentialsError):
         return ("no AWS credentials found; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE "
                 "or a role for this machine")
     if isinstance(exc, ClientError):
@@ -129,33 +141,52 @@ def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
 class S3Storage:
     """Runs under ``s3://bucket/prefix``, reached with boto3 (and pyarrow for Ray)."""
 
-    def __init__(self, uri: str, retry_s: float = 0.0):
+    def __init__(self, uri: str, retry_s: float = 0.0, then: str | None = None):
         self.settings = S3Settings.resolve(uri)
         self._client = None
-        # 0: fail at once, an S3 error as a StorageError of one line (the CLI's commands: exit 2);
-        # workers retry transient errors for failure.storage_retry_s
-        self._retry = Retrying(retry_s, self.settings.where) if retry_s > 0 else self._at_once
+        # 0: fail at once, an S3 error as a StorageError of one line (the preflight); everything else retries
+        # transient errors for failure.storage_retry_s
+        self._retrying = Retrying(retry_s, self.settings.where, **({"then": then} if then else {})) \
+            if retry_s > 0 else None
 
-    def _at_once(self, what: str, fn, *args, **kwargs):
+    def retry_raw(self, what: str, fn, *args, **kwargs):
+        """``fn`` within the retry budget, its errors as boto3 raised them (the lease reads their codes)."""
+        return (self._retrying or _once)(what, fn, *args, **kwargs)
+
+    def _retry(self, what: str, fn, *args, **kwargs):
+        """``fn`` within the retry budget (none: at once); an S3 error that will not change (access denied,
+        a missing bucket) or one left after the budget as a StorageError of one line naming the store."""
         try:
-            return fn(*args, **kwargs)
+            return self.retry_raw(what, fn, *args, **kwargs)
+        except StorageUnavailable:
+            raise
         except Exception as exc:
-            explained = explain_s3_error(exc, self.settings)
-            if explained is None:
+            error = self.as_storage_error(exc, what)
+            if error is None:
                 raise
-            raise StorageError(f"storage s3://{_join(self.settings.bucket, self.settings.prefix)}: {explained} "
-                               f"({what})") from None
+            raise error from None
+
+    def as_storage_error(self, exc: BaseException, what: str) -> StorageError | None:
+        """An S3 error as one line naming the store and the fix (never credentials); None if it is none."""
+        explained = explain_s3_error(exc, self.settings)
+        if explained is None:
+            return None
+        return StorageError(f"storage s3://{_join(self.settings.bucket, self.settings.prefix)}: {explained} ({what})")
 
     @property
     def client(self):
         if self._client is None:
             import boto3
             from botocore.config import Config as BotoConfig
+            from botocore.exceptions import BotoCoreError
 
             cfg = BotoConfig(connect_timeout=3, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"})
-            self._client = boto3.session.Session().client(
-                "s3", endpoint_url=self.settings.endpoint, region_name=self.settings.region, config=cfg
-            )
+            try:
+                self._client = boto3.session.Session().client(
+                    "s3", endpoint_url=self.settings.endpoint, region_name=self.settings.region, config=cfg
+                )
+            except BotoCoreError as exc:  # e.g. AWS_ACCESS_KEY_ID set and AWS_SECRET_ACCESS_KEY empty
+                raise self.as_storage_error(exc, "reading the AWS credentials") from None
         return self._client
 
     def _key(self, rel: str) -> str:
@@ -212,7 +243,7 @@ class S3Storage:
         """The filesystem Ray Train writes its own files with (``ray_app.s3fs.pyarrow_s3``)."""
         from ray_app.s3fs import pyarrow_s3
 
-        return pyarrow_s3(self.settings.endpoint, self.settings.region, getattr(self._retry, "budget_s", 0))
+        return pyarrow_s3(self.settings.endpoint, self.settings.region, getattr(self._retrying, "budget_s", 0))
 
     def ray_storage(self):
         return _join(self.settings.bucket, self.settings.prefix), self.pyarrow_fs()
@@ -221,18 +252,14 @@ class S3Storage:
         return _join(self.settings.bucket, self.settings.prefix, rel), self.pyarrow_fs()
 
 
-def open_storage(uri: str, retry_s: float = 0.0):
-    """``run.storage`` -> LocalStorage or S3Storage (which retries transient errors for ``retry_s``)."""
-    return S3Storage(uri, retry_s) if uri.startswith("s3://") else LocalStorage(uri)
+def _once(what: str, fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
-def split_uri(uri: str) -> tuple[object, str]:
-    """A run or checkpoint URI -> (storage of its parent, last path component)."""
-    uri = uri.rstrip("/")
-    parent, _, name = uri.rpartition("/")
-    if not name or (uri.startswith("s3://") and parent in ("s3:/", "s3:")):
-        raise StorageError(f"{uri}: expected a run or checkpoint path such as s3://bucket/prefix/run-name")
-    return open_storage(parent or "."), name
+def open_storage(uri: str, retry_s: float = 0.0, then: str | None = None):
+    """``run.storage`` -> LocalStorage or S3Storage (which retries transient errors for ``retry_s``; ``then``:
+    what its line says follows once the budget is spent, a worker group's restart by default)."""
+    return S3Storage(uri, retry_s, then) if uri.startswith("s3://") else LocalStorage(uri)
 
 
 def preflight(storage) -> None:

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from ray_app.errors import first_line
+
 PROGRESS_KEYS = ("train_loss", "lr", "samples_per_second")  # what on_progress logs, under these names
 IMAGE_ENV = "RAY_APP_IMAGE"  # the image a pod runs, when the manifests say (a tag on the MLflow run)
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
@@ -59,8 +61,7 @@ def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    return f"{type(exc).__name__}: {first_line(exc, 160)}"
 
 
 class FanOutSink:

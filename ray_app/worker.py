@@ -14,8 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from ray_app import failures, ray_seam
 from ray_app.config import Config, config_from_dict
-from ray_app.errors import ConfigError, DataPipelineError
+from ray_app.errors import ConfigError
 
 
 class ResultSlot:
@@ -30,20 +31,16 @@ class ResultSlot:
     def put(self, result: dict) -> None:
         import pickle
 
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(self.key, pickle.dumps(result), overwrite=True)
+        ray_seam.kv_put(self.key, pickle.dumps(result))
 
     def take(self) -> dict | None:
         """The result rank 0 left (the last one, after restarts), removed; None if there is none."""
         import pickle
 
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self.key)
+        raw = ray_seam.kv_get(self.key)
         if raw is None:
             return None
-        internal_kv._internal_kv_del(self.key)
+        ray_seam.kv_del(self.key)
         return pickle.loads(raw)
 
 
@@ -93,52 +90,11 @@ def ddp_options(cfg: Config) -> dict:
     return {"find_unused_parameters": cfg.train.find_unused_parameters, "static_graph": cfg.train.static_graph}
 
 
-UNUSED_PARAMETERS_HINT = ("DDP found parameters that received no gradient (the loss does not use them); "
-                          "set train.find_unused_parameters=true (and train.static_graph=true if the same "
-                          "parameters are unused every step)")
-
-
-def unused_parameters_error(exc: BaseException) -> ConfigError | None:
-    """DDP's reduction error ('Expected to have finished reduction in the prior iteration ...') as one
-    line naming the key that fixes it; None for any other exception."""
-    text = str(exc)
-    if "Expected to have finished reduction in the prior iteration" in text or \
-            "find_unused_parameters=True" in text and "reduction" in text:
-        return ConfigError(UNUSED_PARAMETERS_HINT)
-    return None
-
-
-def _quiet_report_log() -> None:
-    """Ray Train logs every report of every rank at INFO on a logger named by its file path
-    (so LoggingConfig does not reach it); keep it in Ray's log files, off the console."""
-    try:
-        from ray.train.v2._internal.execution import context as train_context
-
-        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-    except Exception:  # a Ray refactor must never break training
-        pass
-
-
-class _ShownByTheDriver(logging.Filter):
-    """Ray Train logs every worker's exception on every attempt; the errors the driver shows itself
-    (bad input, the user's own exception with its traceback) are shown there once instead."""
-
-    active = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (self.active and record.getMessage().startswith("Error in training function"))
-
-
-_SHOWN_BY_THE_DRIVER = _ShownByTheDriver()
+_SHOWN_BY_THE_DRIVER = ray_seam.SHOWN_BY_THE_DRIVER  # Ray Train's log of an error the driver shows itself is left out
 
 
 def _worker_logging() -> None:
-    try:
-        from ray.train.v2._internal import util as train_util
-
-        logging.getLogger(train_util.__name__).addFilter(_SHOWN_BY_THE_DRIVER)
-    except Exception:  # a Ray refactor must never break training
-        pass
+    ray_seam.quiet_train_loggers()
     app_log = logging.getLogger("ray_app")
     if not app_log.handlers:
         handler = logging.StreamHandler(sys.stdout)
@@ -146,7 +102,6 @@ def _worker_logging() -> None:
         app_log.addHandler(handler)
         app_log.setLevel(logging.INFO)
         app_log.propagate = False
-    _quiet_report_log()
     logging.getLogger("botocore.credentials").setLevel(logging.WARNING)  # "Found credentials ..." per worker
 
 
@@ -160,19 +115,24 @@ def enter_project(folder: str) -> None:
         add_project_to_path(folder)
 
 
-def _train(cfg: Config, runtime: RayRuntime, stats, tracking_key: str) -> tuple[dict, object]:
+def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, object]:
     from ray_app.checkpoint import Checkpointer
-    from ray_app.loop import Trainer, build_parts
+    from ray_app.loop import Trainer
     from ray_app.metrics import NullMetrics, PrometheusMetrics
+    from ray_app.parts import build_parts
     from ray_app.tracking import rank0_sink
 
     checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
                                 every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
-                                staged=cfg.checkpoint.upload == "async",
+                                staged=cfg.checkpoint.upload == "async", retry_s=cfg.failure.storage_retry_s,
                                 warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
+    if job.get("lease_token"):  # no commit once another driver holds the run (this one's was killed)
+        from ray_app.lease import fence
+
+        checkpointer.before_commit = fence(runtime.storage, cfg.run.name, job["lease_token"])
     metrics = NullMetrics()
     if runtime.rank == 0:  # Prometheus and the trackers (MLflow, TensorBoard) behind one sink
-        metrics = rank0_sink(cfg, runtime.storage, tracking_key,
+        metrics = rank0_sink(cfg, runtime.storage, job.get("tracking_key", cfg.run.name),
                              prometheus=PrometheusMetrics(cfg.metrics.port) if cfg.metrics.enabled else None)
         checkpointer.on_commit = getattr(metrics, "on_checkpoint_committed", None)
     parts = build_parts(cfg, runtime)
@@ -195,14 +155,16 @@ def preemption_agreement(cfg: Config):
 
 def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
     """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
-    from ray_app.checkpoint import load_verified, resolve_checkpoint_uri
+    from ray_app.checkpoint import load_named_or_newest
     from ray_app.errors import CheckpointError
-    from ray_app.loop import Trainer, build_parts
+    from ray_app.loop import Trainer
     from ray_app.metrics import NullMetrics
+    from ray_app.parts import build_parts
 
     parts = build_parts(cfg, runtime)
     try:  # the driver read only the config: a damaged file is found here, and is bad input (exit 2)
-        loaded = load_verified(*resolve_checkpoint_uri(checkpoint), rank=None, model_only=True)
+        loaded = load_named_or_newest(checkpoint, rank=None, model_only=True, retry_s=cfg.failure.storage_retry_s,
+                                      warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
     parts.module.load_state_dict(loaded.model)
@@ -212,17 +174,34 @@ def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dic
     return result, trainer
 
 
+def _run_mode(job: dict, cfg: Config, runtime: RayRuntime, stats) -> dict:
+    if job["mode"] == "script":
+        from ray_app.script import run_in_worker
+
+        return run_in_worker(job, runtime)  # the script's own errors come back as UserCodeError
+    if job["mode"] == "eval":
+        return _eval(cfg, runtime, stats, job["checkpoint"])[0]
+    return _train(cfg, runtime, stats, job)[0]
+
+
+def _as_failure(exc: Exception, cfg: Config, rank: int, stats) -> Exception | None:
+    """``exc`` as a row of the failure table (``ray_app.failures.wrap``), shown once by the driver (or by the
+    failure policy's restart line) and so left out of Ray Train's worker log; None: raised as it is."""
+    from ray_app import preemption
+    from ray_app.plugins import plugin_roots
+
+    wrapped = failures.wrap(exc, rank=rank, step=stats.global_step, roots=plugin_roots(cfg),
+                            leaving=preemption.NOTICE.is_set())
+    if wrapped is not None:
+        _SHOWN_BY_THE_DRIVER.active = True
+    return wrapped
+
+
 def worker_main(job: dict, results=None) -> None:
     """Entry point of every Ray Train worker, for ``train``, ``eval`` and ``run`` (mode ``script``: the
     user's own script, see ``ray_app.script``). Rank 0 puts its result on ``results`` (a ``ResultSlot``).
-
-    An exception raised in the user's plug-in code is re-raised as a ``UserCodeError`` that carries its
-    traceback (from the user's first frame) and a fingerprint, so the driver shows it once and the
-    failure policy (``ray_app.failure_policy``) stops when the same error recurs after a restart.
-    """
-    from ray_app import preemption
-    from ray_app.errors import Diverged, PeerLost, PluginError, Preempted, ShardError, Stopped, StorageUnavailable, UserCodeError
-    from ray_app.plugins import plugin_roots
+    An exception is raised as its row of the failure table says (``ray_app.failures``): the user's with
+    their traceback and a fingerprint that carries the global step where it was raised."""
     from ray_app.progress import RunStats
     from ray_app.storage import open_storage
 
@@ -232,43 +211,12 @@ def worker_main(job: dict, results=None) -> None:
     cfg = config_from_dict(job["config"])
     storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)
     runtime = RayRuntime(storage, cfg.run.name, cfg.checkpoint.upload, ddp_options(cfg))
-    trainer = None
     try:
-        if job["mode"] == "script":
-            from ray_app.script import run_in_worker
-
-            result = run_in_worker(job, runtime)  # the script's own errors come back as UserCodeError
-        elif job["mode"] == "eval":
-            result, trainer = _eval(cfg, runtime, stats, job["checkpoint"])
-        else:
-            result, trainer = _train(cfg, runtime, stats, job.get("tracking_key", cfg.run.name))
+        result = _run_mode(job, cfg, runtime, stats)
     except Exception as exc:
-        if isinstance(exc, (ConfigError, UserCodeError, Preempted, Stopped, Diverged, StorageUnavailable, PeerLost)):
-            # shown once by the driver; a restart (Preempted; StorageUnavailable: one line by the failure policy)
-            _SHOWN_BY_THE_DRIVER.active = True
+        failure = _as_failure(exc, cfg, runtime.rank, stats)
+        if failure is None or failure is exc:
             raise
-        if isinstance(exc, ShardError):  # a shard that does not match its manifest: bad input, not retried
-            _SHOWN_BY_THE_DRIVER.active = True
-            raise PluginError(str(exc)) from None
-        unused = unused_parameters_error(exc)
-        if unused is not None:  # bad input: the same on every restart; one line at the driver, exit 2
-            _SHOWN_BY_THE_DRIVER.active = True
-            raise unused from None
-        lost = PeerLost.of(exc, runtime.rank, leaving=False)
-        if lost is not None:  # another rank's failure reached this one: the restart line names the cause
-            _SHOWN_BY_THE_DRIVER.active = True
-            raise lost from None
-        if isinstance(exc, DataPipelineError):  # the user's data: a bug unless the next attempt passes
-            _SHOWN_BY_THE_DRIVER.active = True
-            raise UserCodeError.from_data_pipeline(exc, runtime.rank) from None
-        pos = getattr(trainer, "pos", None)
-        wrapped = UserCodeError.from_exception(exc, runtime.rank, getattr(pos, "global_step", -1), plugin_roots(cfg))
-        if wrapped is None:
-            if not preemption.NOTICE.is_set():
-                raise
-            # an error after the notice to leave (a group Ray tears down): a consequence
-            wrapped = PeerLost.of(exc, runtime.rank, leaving=True)
-        _SHOWN_BY_THE_DRIVER.active = True
-        raise wrapped from None
+        raise failure from None
     if results is not None and runtime.rank == 0:
         results.put(result)

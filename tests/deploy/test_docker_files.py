@@ -1,5 +1,6 @@
 """docker/ without a Docker engine: the Dockerfile passes hadolint, pins its bases and requirements, runs as a
-numeric user; docker/compose.yaml is valid and publishes only on loopback. The built image: tests/e2e/test_image.py."""
+numeric user, and its cpu and gpu targets agree (same base, kit install, user, command); docker/compose.yaml is
+valid and publishes only on loopback. The built images: tests/e2e/test_image.py, tests/e2e/test_gpu_image.py."""
 
 from __future__ import annotations
 
@@ -31,18 +32,46 @@ def test_hadolint_reports_nothing():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def instructions(stage: str) -> list[str]:
+    """The instructions of one stage of the Dockerfile, continuation lines joined, comments dropped, blanks
+    collapsed: what a reader compares between the two targets."""
+    lines, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        current += " " + line.rstrip("\\").strip()
+        if not line.endswith("\\"):
+            lines.append(" ".join(current.split()))
+            current = ""
+    start = next(i for i, ln in enumerate(lines) if re.fullmatch(rf"FROM \S+ AS {re.escape(stage)}", ln))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("FROM ")), len(lines))
+    return lines[start + 1:end]
+
+
+def pins(name: str) -> dict[str, str]:
+    lines = [ln for ln in (REPO / "docker" / f"requirements-{name}.txt").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    return dict(ln.split("==") for ln in lines)
+
+
 def test_base_images_are_pinned_and_pullable_defaults():
+    """Both targets start from the same pinned Python 3.11 image: the gpu one needs no CUDA base."""
     args = dockerfile_args()
     assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", args["BASE_IMAGE"])
-    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-[a-z-]+-ubuntu\d\d\.\d\d(@sha256:[0-9a-f]{64})?",
-                        args["GPU_BASE_IMAGE"])
+    assert args["GPU_BASE_IMAGE"] == args["BASE_IMAGE"]
     st = stages()
     assert st["cpu-base"] == "${BASE_IMAGE}" and st["gpu-base"] == "${GPU_BASE_IMAGE}"
     assert {"cpu", "gpu"} <= set(st)
+    assert st["gpu-deps"] == st["gpu"] == "gpu-base" and st["cpu-deps"] == st["cpu"] == "cpu-base"
+    # the offline build passes its one debootstrap base to both
+    script = (REPO / "docker" / "build-offline.sh").read_text()
+    assert '--build-arg BASE_IMAGE="$BASE_IMAGE"' in script and '--build-arg GPU_BASE_IMAGE="$BASE_IMAGE"' in script
 
 
 def test_gpu_target_build_args_and_requirements():
-    """The gpu target installs the CUDA torch build and torchvision, every dependency pinned."""
+    """The gpu target installs the CUDA torch build and torchvision, every dependency pinned (torch's CUDA wheels
+    too), the rest at the cpu image's versions."""
     text = DOCKERFILE.read_text()
     gpu = text[text.index("AS gpu-base"):]
     assert "requirements-gpu.txt" in gpu and "requirements-cpu.txt" not in gpu
@@ -52,13 +81,55 @@ def test_gpu_target_build_args_and_requirements():
                  if ln.strip() and not ln.startswith("#")]
         unpinned = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9_.\-]+(\[[a-z,]+\])?==[\w.]+", ln)]
         assert not unpinned, f"requirements-{name}.txt: unpinned {unpinned}"
-        pins = dict(ln.split("==") for ln in lines)
-        assert pins["ray[default,train]"] == "2.60.0"
-    gpu_pins = dict(ln.split("==") for ln in (REPO / "docker/requirements-gpu.txt").read_text().splitlines()
-                    if "==" in ln and not ln.startswith("#"))
+        assert pins(name)["ray[default,train]"] == "2.60.0"
+    cpu, gpu_pins = pins("cpu"), pins("gpu")
     assert gpu_pins["torch"] == "2.14.1" and gpu_pins["torchvision"] == "0.29.1"
-    cpu_text = (REPO / "docker/requirements-cpu.txt").read_text()
-    assert "torch==2.13.0" in cpu_text and "\ntorchvision==" not in cpu_text
+    assert cpu["torch"] == "2.13.0" and "torchvision" not in cpu
+    # CUDA 13's runtime and NCCL from the index, as torch 2.14.1+cu130 pins them
+    assert gpu_pins["nvidia-cuda-runtime"].startswith("13.0.") and "nvidia-nccl-cu13" in gpu_pins
+    cuda_only = {k for k in gpu_pins if k.startswith(("nvidia-", "cuda-")) or k in ("triton", "torchvision")}
+    assert set(gpu_pins) - cuda_only == set(cpu), "the gpu image has the cpu image's packages, no more, no fewer"
+    assert {k: v for k, v in gpu_pins.items() if k in cpu and k != "torch"} == {k: v for k, v in cpu.items()
+                                                                               if k != "torch"}
+
+
+def test_the_cpu_and_gpu_targets_agree():
+    """Same user, same kit install, same environment, folders, ports and command: the two final stages differ
+    only in their description, the deps stage they copy from and the NVIDIA runtime's environment; the deps
+    stages only in their requirements file and the CPU torch index."""
+    cpu, gpu = instructions("cpu"), instructions("gpu")
+    nvidia = [ln for ln in gpu if ln.startswith("ENV NVIDIA_")]
+    assert len(nvidia) == 1
+    same = lambda lines: [ln.replace("gpu-deps", "DEPS").replace("cpu-deps", "DEPS") for ln in lines  # noqa: E731
+                          if ln not in nvidia and not ln.startswith("LABEL ")]
+    assert same(cpu) == same(gpu)
+    def deps(target: str) -> list[str]:
+        return [ln.replace(f"requirements-{target}.txt", "requirements-TARGET.txt")
+                .replace('--extra-index-url "${TORCH_INDEX_URL}" ', "")
+                for ln in instructions(f"{target}-deps") if not ln.startswith("ARG TORCH_INDEX_URL=")]
+
+    assert deps("cpu") == deps("gpu")
+    user = "groupadd --gid 1000 ray && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/ray --shell /bin/bash ray"
+    assert user in instructions("cpu-base")[-1] and instructions("gpu-base")[-1].endswith(user)
+
+
+def test_the_gpu_image_asks_the_nvidia_runtime_for_the_driver_its_cuda_needs():
+    """NVIDIA_VISIBLE_DEVICES and NVIDIA_DRIVER_CAPABILITIES make the runtime mount the driver (compute: libcuda;
+    utility: nvidia-smi and NVML, which Ray counts GPUs with); NVIDIA_REQUIRE_CUDA is the CUDA of torch's wheels."""
+    env = next(ln for ln in instructions("gpu") if ln.startswith("ENV NVIDIA_"))
+    values = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', env))
+    assert values["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert set(values["NVIDIA_DRIVER_CAPABILITIES"].split(",")) >= {"compute", "utility"}
+    major_minor = ".".join(pins("gpu")["nvidia-cuda-runtime"].split(".")[:2])
+    assert values["NVIDIA_REQUIRE_CUDA"] == f'"cuda>={major_minor}"'
+    assert not any(ln.startswith("ENV NVIDIA_") for ln in instructions("cpu"))
+
+
+def test_an_unknown_offline_target_is_one_line_and_exit_2():
+    out = subprocess.run(["bash", str(REPO / "docker" / "build-offline.sh")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "TARGET": "tpu"}, timeout=30)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == ["[build-offline] TARGET=tpu: use cpu or gpu"]
 
 
 def test_user_and_cmd_are_numeric_and_json():

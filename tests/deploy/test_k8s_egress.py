@@ -144,7 +144,8 @@ def test_link_local_credential_endpoints_are_closed_by_default(rel):
 
 
 CREDENTIAL_COMPONENTS = sorted({rel.split("+components/")[1] for rel, _, _ in CREDENTIAL_SOURCES.values() if "+" in rel})
-OTHER_COMPONENTS = {"egress-mlflow": "### Experiment tracking"}  # component -> the docs section that says when
+OTHER_COMPONENTS = {"egress-mlflow": "### Experiment tracking",  # component -> the docs section that says when
+                    "kueue": "### Queues and priorities", "priority": "### Queues and priorities"}
 
 
 def test_every_component_is_a_credential_source_or_documented_elsewhere():

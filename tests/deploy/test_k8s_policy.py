@@ -218,3 +218,19 @@ def test_service_account_token_only_where_needed(rel):
         assert spec["serviceAccountName"] == "ray-app", name
         # Workers need it: rank 0 labels its own pod. Head and submitter never call the API.
         assert spec.get("automountServiceAccountToken", False) is name.startswith("workers/"), name
+
+
+def test_on_the_gpu_overlay_only_the_pods_that_request_gpus_can_see_one():
+    """The gpu image sets NVIDIA_VISIBLE_DEVICES=all for the NVIDIA runtime (docker/Dockerfile): a pod that
+    requests no nvidia.com/gpu (the head, the submitter) overrides it with "void", or on a node whose default
+    runtime is NVIDIA's it would see every GPU of the node; the GPU workers leave it to the device plugin."""
+    for rel in ("overlays/gpu", *(r for r in KUSTOMIZATIONS if r.startswith("overlays/gpu+"))):
+        rayjob = one(render(rel), "RayJob")
+        for where, template in rayjob_templates(rayjob).items():
+            for kind, c in all_containers(template["spec"]):
+                wants_gpu = any("nvidia.com/gpu" in (c.get("resources") or {}).get(k, {}) for k in ("limits", "requests"))
+                env = {e["name"]: e.get("value") for e in c.get("env") or []}
+                if wants_gpu:
+                    assert "NVIDIA_VISIBLE_DEVICES" not in env, f"{rel} {where} {kind}/{c['name']}"
+                else:
+                    assert env.get("NVIDIA_VISIBLE_DEVICES") == "void", f"{rel} {where} {kind}/{c['name']}"

@@ -284,6 +284,8 @@ def end_problems(run: Run, rc: int, faults: list[Fault], total_steps: int, refer
     resumes = len(re.findall(r"\) resumed from ", run.text))
     if resumes != len(faults):
         out.append(f"{resumes} restarts for {len(faults)} faults")
+    if "Traceback" in run.text or "Graceful shutdown of backend failed" in run.text:
+        out.append("a traceback in the run's output (each restart is one line)")
     summary = summary_of(run.text)
     if summary["global_step"] != total_steps:
         out.append(f"the run ended at step {summary['global_step']}, not {total_steps}")

@@ -11,6 +11,7 @@ notice) is test_chaos.py's.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -83,13 +84,15 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
 
 
 def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_loses_no_step(reference, tmp_path):
-    """`ray job stop` / `docker stop` of the driver: the workers checkpoint at the next step boundary, the
-    driver exits 143 with one line; the same command again resumes there and ends bit-identical."""
+    """A SIGTERM to the driver's process group (a terminal closed, a job scheduler's stop; `ray job stop` and
+    `docker stop` reach the driver the same way): the local Ray's processes are in a session of their own, so
+    the workers checkpoint at the next step boundary, the driver exits 143 with one line; the same command
+    again resumes there and ends bit-identical."""
     args = ["--set", f"run.storage={tmp_path}", "--set", "run.name=stop", *WORKLOAD]
     with Run(args) as run:
         logged = run.wait_for_step(8)  # early: most of the run is left for the stop to land in
         assert run.proc.poll() is None, run.text[-3000:]
-        run.proc.send_signal(signal.SIGTERM)  # the driver only, as Ray's job supervisor does
+        os.killpg(run.proc.pid, signal.SIGTERM)  # the driver's whole process group, as a terminal's close does
         signalled_at = time.monotonic()
         rc = run.wait()
     assert rc == 143, run.text[-5000:]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_app.checkpoint import newest_verified
+from ray_app.catalog import newest_verified
 from ray_app.storage import LocalStorage
 from tests.support.ports import free_port
 from tests.support.processes import stop_process

@@ -78,6 +78,27 @@ def test_a_bug_in_the_users_data_is_shown_once_and_ends_the_run_after_at_most_tw
     assert "ray-app: training failed: in the data pipeline:" in run.text
 
 
+@pytest.mark.timeout(300)
+def test_the_users_error_at_two_steps_is_retried_and_the_run_finishes(tmp_path):
+    """The same OSError from one line of the user's task at two different steps is a fault: retried, one
+    line each naming it and its step, and the run finishes (the fingerprint carries the step where it was
+    raised; the same error at the same step twice ends the run: the data-bug test above)."""
+    attempts = tmp_path / "attempts"
+    run = Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=flaky",
+               "--set", "data.name=tests.support.faulty_data:build", "--set", "data.args.broken=none",
+               "--set", f"data.args.attempts={attempts}", "--set", "data.batch_size=8",
+               "--set", "model.name=tests.support.faulty_data:Linear", "--set", "train.epochs=3",
+               "--set", "task.name=tests.support.faulty_data:FlakyTask", "--set", f"task.args.attempts={attempts}",
+               "--set", "task.args.fail_at=3,7", "--set", "metrics.enabled=false", "--set", "failure.max_failures=5"])
+    assert run.wait(timeout=280) == 0, run.text[-5000:]
+    restarts = [ln for ln in run.text.splitlines() if "ray-app: rank 0 raised in your code" in ln]
+    assert len(restarts) == 2, run.text[-5000:]  # the first attempt's, then the second's: one line each
+    assert "at step 2: OSError: [Errno 5] Input/output error: a flaky read" in restarts[0], restarts
+    assert "at step 6: OSError: [Errno 5] Input/output error: a flaky read" in restarts[1], restarts
+    assert "Traceback" not in run.text, run.text[-5000:]
+    assert summary_of(run.text)["global_step"] == 3 * 4  # 64 samples / 2 workers / batch 8 = 4 steps an epoch
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     from tests.integration.s3server import start_s3_server

@@ -131,3 +131,52 @@ def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_che
     committed = [r for r in rows if r["name"] != partial[0]]
     assert committed and all(r["verified"] for r in committed), rows
     assert [r["global_step"] for r in committed] == list(range(8, EPOCHS * STEPS_PER_EPOCH + 1, 8))
+
+
+@pytest.fixture(scope="module")
+def trained_on_s3(s3):
+    """A short run on S3 (one checkpoint): what eval and a warm start read."""
+    run = "source"
+    rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
+                            "--set", "data.name=synthetic", "--set", "data.args.num_samples=64",
+                            "--set", "data.args.image_size=16", "--set", "data.batch_size=16",
+                            "--set", "model.name=digits_cnn", "--set", "train.epochs=1",
+                            "--set", "metrics.enabled=false", "--set", "scaling.num_workers=1"], s3.env())
+    assert rc == 0, (out + err)[-4000:]
+    return f"s3://{s3.bucket}/{run}/{run}"
+
+
+@pytest.mark.timeout(400)
+def test_eval_and_a_warm_start_ride_out_an_outage_at_their_start_and_a_longer_one_is_one_line(
+        s3, proxy, trained_on_s3, tmp_path):
+    """The store dark for 10 s as each starts (within failure.storage_retry_s): ``ray-app eval`` of the run on
+    S3 and a warm start from it (``run.resume_from``) wait it out and finish. Dark for longer than the budget:
+    one line naming the store, exit 2, no traceback."""
+    env = s3.env(endpoint=proxy.endpoint)
+    proxy.outage(10)
+    rc, out, err = ray_app(["eval", "--checkpoint", trained_on_s3, "--set", "scaling.num_workers=1"], env)
+    assert rc == 0, (out + err)[-4000:]
+    assert json.loads(out.strip().splitlines()[-1])["num_samples"] > 0
+    assert re.search(r"unreachable \(\w+\) during listing .*; retrying for up to 120 s", err), err[-3000:]
+    assert "answers again after" in err and "Traceback" not in out + err, (out + err)[-3000:]
+
+    proxy.outage(10)  # run.storage is a local folder: only the checkpoint it starts from is on S3
+    rc, out, err = ray_app(["train", "--set", f"run.storage={tmp_path}", "--set", "run.name=warm",
+                            "--set", f"run.resume_from={trained_on_s3}", "--set", "data.name=synthetic",
+                            "--set", "data.args.num_samples=64", "--set", "data.args.image_size=16",
+                            "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", "train.epochs=1",
+                            "--set", "metrics.enabled=false", "--set", "scaling.num_workers=1",
+                            "--set", "train.lr=0.01"], env)
+    assert rc == 0, (out + err)[-4000:]
+    assert re.search(r"(warm start|resumed) from s3://", out + err) and "answers again after" in err, (out + err)[-3000:]
+    assert "Traceback" not in out + err
+
+    proxy.outage(60)
+    t0 = time.monotonic()
+    rc, out, err = ray_app(["eval", "--checkpoint", trained_on_s3, "--set", "failure.storage_retry_s=4"], env)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "authentication_token_setup" not in ln]
+    assert rc == 2, (out + err)[-3000:]
+    assert len(lines) == 2 and "Traceback" not in err, err[-3000:]  # the wait announced, then the one line
+    assert lines[-1].startswith(f"ray-app: error: storage s3://{s3.bucket}") and "no answer for" in lines[-1] and \
+        "AWS_ENDPOINT_URL_S3" in lines[-1], lines
+    assert time.monotonic() - t0 < 40

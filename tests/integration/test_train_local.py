@@ -62,7 +62,7 @@ def test_default_config_trains_digits_to_95_percent(trained):
 
 
 def test_summary_checkpoint_is_committed_under_the_storage_dir(trained):
-    from ray_app.checkpoint import verify
+    from ray_app.catalog import verify
     from ray_app.storage import LocalStorage
 
     storage, summary, _ = trained
@@ -103,9 +103,12 @@ def test_eval_equals_a_single_process_evaluation_of_the_export(trained, tmp_path
 
 
 def test_training_the_same_run_again_resumes(trained, train):
+    """A run whose last epoch is done, run again: one line saying it is complete, its summary from the
+    newest checkpoint, and no Ray started for nothing."""
     storage, first, _ = trained
     rc, out, err = train(storage)
     assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    assert f"is complete: {first['checkpoint']} is at epoch" in err and "Token authentication" not in out + err, err
     again = last_json(out)
     assert again["resumed_from_step"] == STEPS
     assert again["global_step"] == first["global_step"]

@@ -260,7 +260,9 @@ def test_a_bug_in_user_code_is_shown_once_with_its_traceback_and_not_retried_to_
     rc, out, err = _on_cluster(project, ray_head, "user-bug", ["model.name=acme.odd:Broken", "model.args={}"])
     assert rc == 1, f"{out[-3000:]}\n{err[-3000:]}"
     text = out + err
-    assert text.count("Traceback") == 1 and text.count("ValueError: no eval for") == 2  # the traceback + last line
+    # the first attempt's restart line naming it, then the traceback once and the last line
+    assert text.count("Traceback") == 1 and text.count("ValueError: no eval for") == 3
+    assert text.count("ray-app: rank 0 raised in your code at step ") == 2  # the restart line, the traceback's head
     assert "acme/odd.py" in err and "in forward" in err and "ray_app/worker.py" not in err
     # failure.max_failures=3, but the second attempt failed at the same place and step: a bug, not a fault
     assert text.count("rank 0/2 on host") == 2

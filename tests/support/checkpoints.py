@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, checkpoint_dir_name, write_checkpoint_dir
+from ray_app.catalog import checkpoint_dir_name
+from ray_app.checkpoint import CheckpointPayload, capture_rng_state, write_checkpoint_dir
 
 
 def tiny_payload(step: int, *, seed: int = 0, ranks: int = 1, epoch: int = 1, batches_done: int = 0,

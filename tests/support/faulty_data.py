@@ -15,7 +15,7 @@ class Samples(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i):
-        if i == 37:
+        if i == 37 and self.broken != "none":
             if self.broken == "getitem":
                 return self.decode(i)
             return torch.zeros(17), i % 10  # one element longer than the others
@@ -37,3 +37,30 @@ class Linear(torch.nn.Linear):
 
     def __init__(self, num_classes: int = 10):
         super().__init__(16, num_classes)
+
+
+class FlakyTask:
+    """Classification whose loss raises the same ``OSError`` from the same line on rank 0 at its
+    ``fail_at[k]``-th call in attempt k + 1 (an attempt's number: the lines ``build`` wrote to ``attempts``,
+    two workers a build each), and trains on otherwise: an intermittent read error at two different steps."""
+
+    def __init__(self, attempts: str, fail_at: str = "3,7"):
+        from ray_app.tasks import Classification
+
+        self.inner = Classification()
+        with open(attempts) as f:
+            attempt = (len(f.read().splitlines()) + 1) // 2
+        points = [int(x) for x in fail_at.split(",")]
+        self.fail_at = points[attempt - 1] if attempt <= len(points) else 0
+        self.calls = 0
+
+    def loss(self, model, batch):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.calls == self.fail_at and dist.get_rank() == 0:
+            raise OSError(5, "Input/output error: a flaky read")
+        return self.inner.loss(model, batch)
+
+    def evaluate(self, model, batch):
+        return self.inner.evaluate(model, batch)

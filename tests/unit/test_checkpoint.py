@@ -16,21 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from ray_app.catalog import MANIFEST, checkpoint_dir_name, list_checkpoints, manifest_format, newest_committed_config, newest_verified, verify
 from ray_app.checkpoint import (
-    MANIFEST,
     Checkpointer,
     CheckpointPayload,
     capture_rng_state,
-    checkpoint_dir_name,
-    list_checkpoints,
     load_verified,
-    manifest_format,
-    newest_committed_config,
-    newest_verified,
     resolve_checkpoint_uri,
     restore_rng_state,
     upload_checkpoint_dir,
-    verify,
     write_checkpoint_dir,
     write_manifest,
 )
@@ -166,7 +160,7 @@ def test_the_format_check_holds_under_python_optimize(storage):
     """``python -O`` drops asserts: the format check is not one."""
     rel = commit(storage, 3)
     _rewrite_format(storage, rel, "ray_app.checkpoint/2")
-    code = ("import sys; from ray_app.checkpoint import verify; from ray_app.storage import LocalStorage; "
+    code = ("import sys; from ray_app.catalog import verify; from ray_app.storage import LocalStorage; "
             f"v = verify(LocalStorage({str(storage.root)!r}), {rel!r}); print(v.ok, v.reason)")
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
@@ -319,16 +313,25 @@ def test_raw_weights_only_refuses_objects():
 
 # ---------------------------------------------------------------- cadence and blocked time
 
-def pos(global_step: int, batches_done: int):
-    return SimpleNamespace(global_step=global_step, batches_done=batches_done)
+def pos(global_step: int, batches_done: int, epoch: int = 0):
+    return SimpleNamespace(global_step=global_step, batches_done=batches_done, epoch=epoch)
+
+
+def planned(storage, **cadence) -> Checkpointer:
+    cp = Checkpointer(storage, RUN, report=None, **cadence)
+    cp.plan(batches_per_epoch=8, epochs=3, max_steps=cadence.pop("max_steps", 0))
+    return cp
 
 
 def test_step_cadence_is_every_n_optimizer_steps_and_leaves_epoch_ends_alone(storage):
-    cp = Checkpointer(storage, RUN, report=None, every_steps=5)
-    assert cp.step_due(pos(10, 3), batches_per_epoch=8)
-    assert not cp.step_due(pos(11, 4), batches_per_epoch=8)
-    assert not cp.step_due(pos(10, 8), batches_per_epoch=8)  # the epoch's end: epoch_due / final_due decide
-    assert not Checkpointer(storage, RUN, report=None).step_due(pos(10, 3), 8)  # every_steps=0: off
+    cp = planned(storage, every_steps=5)
+    assert cp.due(pos(10, 3))
+    assert not cp.due(pos(11, 4))
+    assert not cp.due(pos(10, 8))  # the epoch's end: due(epoch_end=True) / final_due decide
+    assert not planned(storage).due(pos(10, 3))  # every_steps=0: off
+    limited = Checkpointer(storage, RUN, report=None, every_steps=5)
+    limited.plan(batches_per_epoch=8, epochs=3, max_steps=10)
+    assert not limited.due(pos(10, 3))  # train.max_steps reached: the final checkpoint's
 
 
 @pytest.mark.parametrize("every, done, total, due", [
@@ -336,7 +339,9 @@ def test_step_cadence_is_every_n_optimizer_steps_and_leaves_epoch_ends_alone(sto
     (2, 1, 5, False), (2, 2, 5, True), (2, 4, 4, False), (3, 3, 7, True), (0, 1, 3, False),
 ])
 def test_epoch_cadence(storage, every, done, total, due):
-    assert Checkpointer(storage, RUN, report=None, every_epochs=every).epoch_due(done, total) is due
+    cp = Checkpointer(storage, RUN, report=None, every_epochs=every)
+    cp.plan(batches_per_epoch=8, epochs=total)
+    assert cp.due(pos(done * 8, 0, epoch=done), epoch_end=True) is due
 
 
 def test_final_checkpoint_unless_off_or_nothing_new_was_trained(storage):
@@ -503,20 +508,20 @@ def test_evaluation_and_export_read_the_model_state_and_config_once(storage):
 
 @pytest.mark.timeout(30)
 def test_committed_config_reads_only_the_manifest_and_the_config(storage, monkeypatch):
-    from ray_app import checkpoint
+    from ray_app import catalog
     from ray_app import storage as storage_mod
 
     rel = commit(storage, 10)
     made = []
 
-    def counting_open(uri, retry_s=0.0):
+    def counting_open(uri, retry_s=0.0, then=None):
         made.append(CountingStorage(uri))
         return made[-1]
 
     monkeypatch.setattr(storage_mod, "open_storage", counting_open)
     for uri in (storage.uri(rel), storage.uri(RUN)):
         made.clear()
-        assert checkpoint.committed_config(uri) == (storage.uri(rel), {"run": {"name": RUN}})
+        assert catalog.committed_config(uri) == (storage.uri(rel), {"run": {"name": RUN}})
         read = {rel for s in made for rel in s.reads}
         assert {r.rsplit("/", 1)[-1] for r in read} == {MANIFEST, "config.json"}, read
 
@@ -569,5 +574,21 @@ def test_a_resume_from_checkpoint_that_does_not_load_is_an_error_not_a_fresh_sta
     rel = commit(storage, 5)
     flip_byte(storage.root / rel / "model.pt")
     warm = Checkpointer(storage, "run-b", report=None, resume_from=storage.uri(rel), warn=lambda m: None)
-    with pytest.raises(CheckpointError, match="run.resume_from .* no checkpoint passes verification"):
+    with pytest.raises(CheckpointError, match="run.resume_from .* failed verification: sha256 mismatch in model.pt"):
         warm.restore(rank=0)
+
+
+def test_eval_and_export_of_a_run_take_its_newest_checkpoint_that_loads(storage):
+    """A run URI whose newest checkpoint is damaged (a changed byte in model.pt, its manifest intact): the
+    newest that loads, with a warning; the damaged one named by its URI is bad input."""
+    from ray_app.checkpoint import load_named_or_newest
+
+    old = commit(storage, 10, seed=1)
+    new = commit(storage, 20, seed=2)
+    flip_byte(storage.root / new / "model.pt")
+    warnings = []
+    loaded = load_named_or_newest(storage.uri(RUN), rank=None, model_only=True, warn=warnings.append)
+    assert loaded.uri == storage.uri(old) and loaded.state["global_step"] == 10
+    assert len(warnings) == 1 and "sha256 mismatch in model.pt" in warnings[0] and new.rsplit("/", 1)[-1] in warnings[0]
+    with pytest.raises(CheckpointError, match="sha256 mismatch in model.pt"):
+        load_named_or_newest(storage.uri(new), rank=None, model_only=True)

@@ -316,6 +316,26 @@ S3_COMMANDS = {
 }
 
 
+# an unreachable store is waited out for the budget (failure.storage_retry_s; 120 s by default), as in training
+BUDGET = {"list": ["--storage-retry-s", "2"], "verify": ["--storage-retry-s", "2"],
+          "export": ["--storage-retry-s", "2"], "eval": ["--set", "failure.storage_retry_s=2"]}
+
+
+def waited_then_one_error_line(stderr: str) -> str:
+    """The line saying the store is waited for, then the one error line; returns the error line."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2 and "Traceback" not in stderr, stderr
+    assert "unreachable" in lines[0] and "retrying for up to 2 s (failure.storage_retry_s)" in lines[0], stderr
+    return lines[1]
+
+
+def test_the_commands_retry_budget_defaults_to_failure_storage_retry_s():
+    from ray_app.cli import RETRY_DEFAULT_S
+    from ray_app.config import FailureSection
+
+    assert RETRY_DEFAULT_S == FailureSection().storage_retry_s
+
+
 def _s3_env(endpoint: str) -> dict:
     env = {k: None for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
                              "AWS_SHARED_CREDENTIALS_FILE")}
@@ -345,8 +365,8 @@ def test_an_unreachable_s3_endpoint_is_one_line_and_exit_2_as_a_user_runs_it(run
     from tests.support.ports import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    rc, _, err = run_cli(S3_COMMANDS["eval"], env=_s3_env(endpoint), timeout=100)
-    line = one_error_line(err)
+    rc, _, err = run_cli([*S3_COMMANDS["eval"], *BUDGET["eval"]], env=_s3_env(endpoint), timeout=100)
+    line = waited_then_one_error_line(err)
     assert rc == 2, err
     assert "s3://bucket-x" in line and endpoint in line and "AWS_ENDPOINT_URL_S3" in line, line
 
@@ -357,9 +377,9 @@ def test_an_unreachable_s3_endpoint_is_one_line_and_exit_2(tmp_path, command, mo
     from tests.support.ports import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    args = [a.format(tmp=tmp_path) for a in S3_COMMANDS[command]]
+    args = [a.format(tmp=tmp_path) for a in [*S3_COMMANDS[command], *BUDGET[command]]]
     rc, err = _main_in_process(args, _s3_env(endpoint), monkeypatch, capsys)
-    line = one_error_line(err)
+    line = waited_then_one_error_line(err)
     assert rc == 2, err
     assert "s3://bucket-x" in line and endpoint in line and "AWS_ENDPOINT_URL_S3" in line, line
     assert "not-a-secret" not in err
@@ -375,3 +395,18 @@ def test_refused_credentials_are_one_line_and_exit_2(tmp_path, command, monkeypa
     assert rc == 2, err
     assert "s3://bucket-x" in line and "access denied" in line and "credentials" in line, line
     assert "not-a-secret" not in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["list", "train"])
+def test_partial_credentials_are_one_line_and_exit_2(tmp_path, command, monkeypatch, capsys):
+    """AWS_ACCESS_KEY_ID set and the secret empty: botocore refuses to build a client; one line naming the
+    variable that is missing (never a value), before any request or Ray."""
+    from tests.support.ports import free_port
+
+    env = dict(_s3_env(f"http://127.0.0.1:{free_port()}"), AWS_SECRET_ACCESS_KEY="")
+    args = S3_COMMANDS["list"] if command == "list" else ["train", "--set", "run.storage=s3://bucket-x/runs"]
+    rc, err = _main_in_process(args, env, monkeypatch, capsys)
+    line = one_error_line(err)
+    assert rc == 2, err
+    assert "credentials are incomplete" in line and "AWS_SECRET_ACCESS_KEY" in line and "AKIAEXAMPLE" not in line

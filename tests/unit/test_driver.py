@@ -15,7 +15,7 @@ import torch
 
 from ray_app import driver
 from ray_app import worker as worker_side
-from ray_app.checkpoint import checkpoint_dir_name
+from ray_app.catalog import checkpoint_dir_name
 from ray_app.config import load_config
 from ray_app.driver import (
     LEAN_DROPPED_CALLBACKS,
@@ -133,8 +133,6 @@ def test_a_ray_started_here_has_no_autoscaling_coordinator(monkeypatch, tmp_path
     from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
     from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
-    from ray_app.scaling_policy import FixedPolicyWithoutAutoscaler
-
     lean = lean_trainer_class()
     base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
     assert "scaling_policy=create_scaling_policy(" in inspect.getsource(base.fit)  # the keyword replaced
@@ -149,14 +147,14 @@ def test_a_ray_started_here_has_no_autoscaling_coordinator(monkeypatch, tmp_path
     assert type(policy_given(fixed)) is FixedScalingPolicy  # a cluster (RAY_ADDRESS): Ray's own
     fixed.without_autoscaler = True
     policy = policy_given(fixed)
-    assert type(policy) is FixedPolicyWithoutAutoscaler and policy.scaling_config is fixed.scaling_config
+    assert type(policy).__name__ == "FixedPolicyWithoutAutoscaler" and policy.scaling_config is fixed.scaling_config
     policy.after_controller_start(train_run_context=None)  # creates no actor, sends nothing
     policy._maybe_send_resource_request()
     policy.make_decision_for_non_running_worker_group()
     elastic = _trainer(load_config(None, [f"run.storage={tmp_path}", "scaling.num_workers=3",
                                           "scaling.min_workers=2"]), storage_path=str(tmp_path))
     elastic.without_autoscaler = True
-    assert type(policy_given(elastic)) is not FixedPolicyWithoutAutoscaler
+    assert type(policy_given(elastic)).__name__ != "FixedPolicyWithoutAutoscaler"
 
 
 # ---------------------------------------------------------------- the driver shows a worker's failure
@@ -177,11 +175,11 @@ def test_bad_input_found_by_a_worker_is_one_line():
 
 def test_user_code_error_shows_its_traceback_once(capsys):
     a = UserCodeError("ValueError: bad", "Traceback (most recent call last):\n  File \"acme.py\", line 3\nValueError: bad\n",
-                      "fp", rank=1)
-    b = UserCodeError("ValueError: bad", "other rank's copy\n", "fp", rank=2)
+                      "fp", rank=1, step=20)
+    b = UserCodeError("ValueError: bad", "other rank's copy\n", "fp", rank=2, step=20)
     with pytest.raises(TrainingFailed) as exc:
         raise_worker_failure(_GroupError("x", {2: b, 1: a}))
-    assert str(exc.value) == "ValueError: bad (rank 1; traceback above)"
+    assert str(exc.value) == "ValueError: bad (rank 1, at step 20; traceback above)"
     err = capsys.readouterr().err
     assert err.count("Traceback") == 1 and "acme.py" in err and "rank 1 raised in your code" in err
     assert "other rank's copy" not in err
@@ -274,7 +272,7 @@ def test_the_drivers_resume_from_check_reads_only_the_manifest_and_the_config(tm
     source = _saved_run(runs, "src", ["model.name=mlp"])
     made = []
 
-    def counting_open(uri, retry_s=0.0):
+    def counting_open(uri, retry_s=0.0, then=None):
         made.append(CountingStorage(uri) if not uri.startswith("s3://") else storage_mod.S3Storage(uri, retry_s))
         return made[-1]
 
@@ -442,14 +440,16 @@ def test_ray_trains_log_of_an_error_the_driver_shows_is_left_out(monkeypatch):
     assert not shown.filter(record) and shown.filter(other)
 
 
-def test_a_new_run_is_checked_without_importing_torch(tmp_path):
-    """The resume check of a run without checkpoints reads no checkpoint module (torch costs the driver seconds)."""
+def test_a_run_is_checked_without_importing_torch(tmp_path):
+    """The resume check reads the checkpoint catalog, which imports no torch (torch costs the driver seconds),
+    also for a run that has checkpoints."""
     import subprocess
     import sys
 
-    from ray_app import checkpoint
+    from tests.support.checkpoints import write_checkpoint
 
-    assert driver.CHECKPOINT_PREFIX == checkpoint.PREFIX
+    cfg = load_config(None, [f"run.storage={tmp_path}"])
+    write_checkpoint(tmp_path / cfg.run.name, 5, config=cfg.to_dict())
     code = ("import sys; from ray_app.config import load_config; from ray_app.driver import preflight_run; "
             f"preflight_run(load_config(None, ['run.storage={tmp_path}'])); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -466,7 +466,7 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
     from ray.train.v2._internal.execution.scaling_policy import ResizeDecision, create_scaling_policy
     from ray.train.v2.api.exceptions import ControllerError
 
-    from ray_app.scaling_policy import ElasticPolicyThatLearns
+    from ray_app.scaling_policy import FewerAfterStartTimeout
 
     lean = lean_trainer_class()
     base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
@@ -476,11 +476,11 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
                                           "scaling.min_workers=2"]), storage_path=str(tmp_path))
     elastic._initialize_and_run_controller(scaling_policy=create_scaling_policy(elastic.scaling_config))
     policy = seen["scaling_policy"]
-    assert type(policy) is ElasticPolicyThatLearns
+    assert isinstance(policy.limiter, FewerAfterStartTimeout)
 
     view = {f"node-{i}": {"CPU": 1.0} for i in range(3)}  # the lost node still among them
     now = [1000.0]
-    monkeypatch.setattr(policy, "_clock", lambda: now[0])
+    monkeypatch.setattr(policy.limiter, "_clock", lambda: now[0])
     monkeypatch.setattr(policy, "_maybe_send_resource_request", lambda: None)
     monkeypatch.setattr(policy, "_get_reserved_resources", lambda: policy.__dict__.update(
         _latest_reserved_resources=dict(view)) or dict(view))
@@ -503,7 +503,7 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
     del view["node-3"]
     assert asked() == 3  # a group of 3 sized to this view, and it does not start either
     policy.after_controller_state_update(None, ReschedulingState(training_failed_error=timed_out))
-    now[0] += policy.FEWER_FOR_S - 1
+    now[0] += policy.limiter.FEWER_FOR_S - 1
     assert asked() == 2  # the same view, not long after
     now[0] += 1
     assert asked() == 3  # the same view, long enough: trusted again

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from ray_app import driver
+from ray_app import driver, ray_seam
 from ray_app.config import Config
 from ray_app.metrics import ADVERTISE_HOST_ENV, BIND_ENV, PrometheusMetrics, advertised_host
 from tests.support.stand_ins import assert_stands_in_for
@@ -113,7 +113,7 @@ def test_the_announced_target_is_the_bound_address_unless_set(monkeypatch):
 
 LOCAL_RAY_PROCESSES = """
 import json, psutil, ray
-from ray_app import driver
+from ray_app import driver, ray_seam
 from ray_app.config import Config
 driver.init_ray(Config())
 procs = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
@@ -146,8 +146,8 @@ def test_the_api_server_starts_when_the_dashboard_is_asked_for():
     from ray._private.node import Node
 
     before = Node.start_api_server, Node.start_monitor
-    with driver.lean_local_ray(api_server=True):
+    with ray_seam.lean_local_ray(api_server=True):
         assert Node.start_api_server is before[0] and Node.start_monitor is not before[1]
-    with driver.lean_local_ray(api_server=False):
+    with ray_seam.lean_local_ray(api_server=False):
         assert Node.start_api_server is not before[0]
     assert (Node.start_api_server, Node.start_monitor) == before  # put back after ray.init

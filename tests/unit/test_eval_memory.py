@@ -16,7 +16,8 @@ import torch
 
 from ray_app.checkpoint import Checkpointer
 from ray_app.config import load_config
-from ray_app.loop import Trainer, build_parts
+from ray_app.loop import Trainer
+from ray_app.parts import build_parts
 from ray_app.storage import LocalStorage
 from tests.unit.test_loop_ddp import FakeRuntime, RecordingMetrics, _finish, _init, _load_ranks, _spawn
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ray_app.errors import RunHeld
-from ray_app.lease import LEASE_FILE, LocalLeaseFile, RunLease, held_run
+from ray_app.lease import LEASE_FILE, LocalLeaseFile, RunLease, held_run, lease_store
 from ray_app.storage import LocalStorage
 
 
@@ -176,3 +176,33 @@ def test_a_lease_whose_driver_is_gone_from_this_host_is_taken_over_at_once(tmp_p
     path.write_text(json.dumps(alive))
     with pytest.raises(RunHeld):
         _lease(tmp_path, stale_s=3600).acquire()
+
+
+def test_workers_commit_no_checkpoint_once_another_driver_holds_the_run(tmp_path):
+    """A driver killed without releasing its lease: once another driver has taken the run over, its
+    orphaned workers' next checkpoint is not committed (the fence before the manifest raises RunHeld)."""
+    from ray_app.catalog import list_checkpoints, newest_verified
+    from ray_app.checkpoint import Checkpointer
+    from ray_app.lease import fence
+    from tests.support.checkpoints import tiny_payload
+
+    storage = LocalStorage(str(tmp_path))
+    first = RunLease(lease_store(storage, "r"), storage.uri("r"), stale_s=30)
+    first.acquire()
+
+    def report(metrics, local_dir, dir_name, upload):
+        upload(local_dir, dir_name)
+
+    ckpt = Checkpointer(storage, "r", report)
+    ckpt.before_commit = fence(storage, "r", first.token)
+    ckpt.save(tiny_payload(1), {"global_step": 1}, is_writer=True)
+    assert newest_verified(storage, "r", warn=lambda m: None)[0] is not None  # its own driver: committed
+
+    (tmp_path / "r" / LEASE_FILE).unlink()  # the first driver is gone; a second one takes the run
+    second = RunLease(lease_store(storage, "r"), storage.uri("r"), stale_s=30)
+    second.acquire()
+    with pytest.raises(RunHeld, match="no longer held by this worker group's driver"):
+        ckpt.save(tiny_payload(2), {"global_step": 2}, is_writer=True)
+    names = list_checkpoints(storage, "r")
+    assert len(names) == 2 and not (tmp_path / "r" / names[-1] / "manifest.json").exists()  # never committed
+    second.release()

@@ -19,7 +19,8 @@ from torch.utils.data import TensorDataset
 from ray_app.checkpoint import Checkpointer
 from ray_app.config import load_config
 from ray_app.errors import ConfigError
-from ray_app.loop import Trainer, build_parts
+from ray_app.loop import Trainer
+from ray_app.parts import build_parts
 from ray_app.progress import RunStats
 from ray_app.storage import LocalStorage
 from ray_app.tasks import Classification

@@ -23,11 +23,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ray_app.checkpoint import Checkpointer, cleanup_local, newest_verified, verify
+from ray_app.catalog import newest_verified, verify
+from ray_app.checkpoint import Checkpointer, cleanup_local
 from ray_app.config import load_config
 from ray_app.ddp import ExactSums, ResumableDistributedSampler, assert_identical_parameters, gather_eval_rows, global_mean, lr_lambda
-from ray_app.loop import Runtime, Trainer, build_parts
+from ray_app.loop import Trainer
 from ray_app.metrics import NullMetrics
+from ray_app.parts import Runtime, build_parts
 from ray_app.progress import MetricsSink
 from ray_app.storage import LocalStorage
 from tests.support.evaluation import accuracy_and_loss, default_model_eval

@@ -16,10 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_app.checkpoint import Checkpointer, list_checkpoints, load_verified
+from ray_app.catalog import list_checkpoints
+from ray_app.checkpoint import Checkpointer, load_verified
 from ray_app.config import load_config
 from ray_app.errors import Diverged
-from ray_app.loop import Trainer, build_parts
+from ray_app.loop import Trainer
+from ray_app.parts import build_parts
 from ray_app.storage import LocalStorage
 from ray_app.tasks import Classification
 from tests.unit.test_loop_counts import BATCH

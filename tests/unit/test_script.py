@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ray_app import script as kit
 from ray_app import worker
-from ray_app.checkpoint import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
+from ray_app.catalog import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
 from ray_app.config import load_config
 from ray_app.errors import ConfigError, UserCodeError, UserError
 from ray_app.storage import LocalStorage

@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader
 
 from ray_app.config import load_config
 from ray_app.errors import ConfigError, DataPipelineError, UserCodeError
+from ray_app.failures import unused_parameters_error
 from ray_app.plugins import guarded_data
-from ray_app.worker import ddp_options, unused_parameters_error
+from ray_app.worker import ddp_options
 
 
 class RaggedSamples(torch.utils.data.Dataset):
@@ -196,6 +197,11 @@ def test_a_restart_is_one_line_naming_the_rank_that_failed_not_the_ranks_that_lo
         "restarts from the newest committed checkpoint (restart 1 of 3: failure.max_failures)",
         "ray-app: rank 0 lost a peer: RuntimeError: Connection closed by peer; the worker group restarts from the "
         "newest committed checkpoint (restart 2 of 3: failure.max_failures)"]
-    # the user's error: retried once to tell a fault from a bug, and shown once, by the driver, at the end
+    # the user's error: retried once to tell a fault from a bug, the restart one line naming it (not the lost
+    # peer's); its traceback is shown once, by the driver, if the run ends on it
     policy.make_decision(WorkerGroupError("x", {0: lost, 1: _first_failure(RaggedSamples(), 0)}))
-    assert capsys.readouterr().out == ""
+    line, = capsys.readouterr().out.splitlines()
+    assert line.startswith("ray-app: rank 0 raised in your code before training: in the data pipeline: RuntimeError: "
+                           "the samples of a batch must have equal shapes") and "Traceback" not in line
+    assert line.endswith("(retried: the same error at the same step again ends the run); the worker group restarts "
+                         "from the newest committed checkpoint (restart 3 of 3: failure.max_failures)")
