@@ -25,10 +25,14 @@ from ray_app.errors import CheckpointDamaged, CheckpointError, StorageError
 log = logging.getLogger("ray_app.checkpoint")
 
 MANIFEST = "manifest.json"
-FORMAT = "ray_app.checkpoint/1"  # the training loop's checkpoints
+SHARDED_FORMAT = "ray_app.checkpoint/2"  # the training loop's checkpoints: every rank writes its share (ray_app.sharded)
+SINGLE_FILE_FORMAT = "ray_app.checkpoint/1"  # the loop's earlier checkpoints: rank 0 wrote model.pt (still loaded)
+FORMAT = (SHARDED_FORMAT, SINGLE_FILE_FORMAT)  # what the loop writes and loads
 SCRIPT_FORMAT = "ray_app.script/1"  # what a `ray-app run` script passes to ray_app.script.save()
 # what a manifest of each format must list (a manifest of another format is not a ray_app checkpoint)
-REQUIRED_FILES = {FORMAT: ("model.pt", "optimizer.pt", "state.json", "config.json"), SCRIPT_FORMAT: ("state.pt",)}
+REQUIRED_FILES = {SHARDED_FORMAT: ("model/.metadata", "optim/.metadata", "state.json", "config.json"),
+                  SINGLE_FILE_FORMAT: ("model.pt", "optimizer.pt", "state.json", "config.json"),
+                  SCRIPT_FORMAT: ("state.pt",)}
 PREFIX = "ckpt-s"
 _NAME = re.compile(rf"{PREFIX}(\d+)-")
 
@@ -76,10 +80,19 @@ def manifest_format(manifest: dict) -> str:
     return found
 
 
+def _formats(fmt: str | tuple | None) -> tuple:
+    return (fmt,) if isinstance(fmt, str) else tuple(fmt or ())
+
+
+def of_format(manifest: dict, fmt: str | tuple | None) -> bool:
+    """Whether a manifest is of ``fmt`` (a format, a tuple of formats such as ``FORMAT``, or None: any)."""
+    return fmt is None or manifest.get("format") in _formats(fmt)
+
+
 _MALFORMED = (ValueError, KeyError, TypeError, AttributeError)  # what parsing a malformed manifest raises
 
 
-def _check(storage, rel: str, name: str, fmt: str | None) -> tuple[Verification, dict[str, int]]:
+def _check(storage, rel: str, name: str, fmt: str | tuple | None) -> tuple[Verification, dict[str, int]]:
     """(what ``check_manifest`` says, the files present with their sizes)."""
     present = storage.list_files(rel)  # a storage error propagates: an outage is no reason to skip a checkpoint
     if MANIFEST not in present:
@@ -94,8 +107,8 @@ def _check(storage, rel: str, name: str, fmt: str | None) -> tuple[Verification,
         found = manifest_format(manifest)
     except CheckpointError as exc:
         return Verification(name, False, [str(exc)], None), present
-    if fmt is not None and found != fmt:
-        return Verification(name, False, [f"a {found} checkpoint, not {fmt}"], manifest), present
+    if not of_format(manifest, fmt):
+        return Verification(name, False, [f"a {found} checkpoint, not {' or '.join(_formats(fmt))}"], manifest), present
     problems = []
     for fname, (_, size) in sorted(entries.items()):
         if fname not in present:
@@ -124,7 +137,7 @@ def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -
     ``fmt``: the format the caller can load (None: any of ``REQUIRED_FILES``, as ``ray-app checkpoints`` lists).
     Storage errors propagate (``check_manifest``)."""
     v, present = _check(storage, rel, name or rel.rsplit("/", 1)[-1], fmt)
-    if v.manifest is None or (fmt is not None and v.manifest.get("format") != fmt):
+    if v.manifest is None or not of_format(v.manifest, fmt):
         return v
     problems = list(v.problems)
     for fname, meta in sorted(v.manifest["files"].items()):
@@ -273,7 +286,7 @@ def newest_committed_config(storage, run: str) -> tuple[str, dict] | None:
     return (found.uri, found.config) if found is not None else None
 
 
-def newest_verified(storage, run: str, warn=log.warning, fmt: str = FORMAT) -> tuple[str | None, list]:
+def newest_verified(storage, run: str, warn=log.warning, fmt: str | tuple = FORMAT) -> tuple[str | None, list]:
     """The name of the newest checkpoint of format ``fmt`` whose every file matches its manifest (broken
     newer ones skipped with ``warn``), and the list of skipped ones' reasons (kept for callers that count)."""
     skipped = []

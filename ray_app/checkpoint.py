@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from ray_app import catalog
-from ray_app.catalog import FORMAT, MANIFEST, Verification, check_manifest, checkpoint_dir_name, read_verified
+from ray_app.catalog import (FORMAT, MANIFEST, SHARDED_FORMAT, SINGLE_FILE_FORMAT, Verification, check_manifest,
+                              checkpoint_dir_name, read_verified)
 from ray_app.errors import CheckpointDamaged, CheckpointError, first_line
 
 log = logging.getLogger("ray_app.checkpoint")
@@ -111,7 +112,7 @@ def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
     return write_manifest(path, global_step=payload.state["global_step"], epoch=payload.state["epoch"])
 
 
-def write_manifest(path: Path, *, global_step: int, epoch: int | None, fmt: str = FORMAT) -> dict:
+def write_manifest(path: Path, *, global_step: int, epoch: int | None, fmt: str = SINGLE_FILE_FORMAT) -> dict:
     """The sha256 and size of every file already in ``path``, written last: the checkpoint's commit."""
     files = {}
     for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
@@ -198,6 +199,23 @@ class LoadedCheckpoint:
     state: dict
     config: dict
     created: float = 0.0  # unix time the checkpoint was written (from its manifest)
+    sharded: object = None  # a sharded checkpoint's ``ray_app.sharded.ShardedRef``: model and optimizer not yet read
+
+    def load_into(self, model: torch.nn.Module, optimizer=None) -> None:
+        """The model's (and the optimizer's) state into a model of either strategy at any world size: a sharded
+        checkpoint through DCP (every rank calls this), a single-file one from its whole state."""
+        from ray_app import strategy
+
+        if self.sharded is not None:
+            self.sharded.load_into(model, optimizer)
+        elif strategy.is_sharded(model):
+            strategy.load_model_state(model, self.model, full=True)
+            if optimizer is not None:
+                strategy.load_full_optimizer_state(model, optimizer, self.optimizer)
+        else:
+            getattr(model, "module", model).load_state_dict(self.model)
+            if optimizer is not None:
+                optimizer.load_state_dict(self.optimizer)
 
 
 def load_torch_bytes(data: bytes, where: str = "checkpoint file"):
@@ -223,6 +241,8 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
     if not v.ok:
         raise CheckpointDamaged(storage.uri(rel), v.reason)
     files = v.manifest["files"]
+    if v.manifest["format"] == SHARDED_FORMAT:
+        return _load_sharded(storage, rel, v.manifest, rank, model_only)
     rng_name = f"rng/rank_{rank}.pt"
     used = {*MODEL_FILES, "optimizer.pt", "scheduler.pt", rng_name}
     data = {}
@@ -243,6 +263,28 @@ def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool =
     rng = load(rng_name) if rank is not None and rng_name in data else None
     return LoadedCheckpoint(storage.uri(rel), model, load("optimizer.pt"),
                             load("scheduler.pt") if "scheduler.pt" in data else {}, rng, state, config, created)
+
+
+def _load_sharded(storage, rel: str, manifest: dict, rank: int | None, model_only: bool) -> LoadedCheckpoint:
+    """A sharded checkpoint's small files, read and verified; its model and optimizer are read by ``load_into``
+    (resharded, every rank its share), or with ``model_only`` consolidated here, in this process alone."""
+    from ray_app.sharded import ShardedRef
+
+    files = manifest["files"]
+    ref = ShardedRef(storage, rel, files)
+
+    def small(name: str):
+        return read_verified(storage, rel, files, name) if name in files else None
+
+    state, config = json.loads(small("state.json")), json.loads(small("config.json"))
+    created = manifest.get("created", 0.0)
+    if model_only:
+        return LoadedCheckpoint(storage.uri(rel), ref.consolidate_model(), {}, {}, None, state, config, created)
+    where = storage.uri(rel)
+    scheduler, rng = small("scheduler.pt"), small(f"rng/rank_{rank}.pt") if rank is not None else None
+    return LoadedCheckpoint(where, None, None, load_torch_bytes(scheduler, f"{where}/scheduler.pt") if scheduler else {},
+                            load_torch_bytes(rng, f"{where}/rng/rank_{rank}.pt") if rng else None, state, config,
+                            created, sharded=ref)
 
 
 def load_newest(storage, run: str, rank: int | None, warn=log.warning, *,
@@ -296,7 +338,8 @@ class Checkpointer:
     """
 
     def __init__(self, storage, run: str, report, *, every_epochs: int = 1, every_steps: int = 0,
-                 resume_from: str = "", warn=log.warning, staged: bool = False, retry_s: float = 0.0):
+                 resume_from: str = "", warn=log.warning, staged: bool = False, retry_s: float = 0.0,
+                 wait_s: float = 300.0):
         self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
         self.retry_s = retry_s  # the budget of run.resume_from's storage (failure.storage_retry_s)
         self.every_epochs, self.every_steps, self.staged = every_epochs, every_steps, staged
@@ -309,6 +352,10 @@ class Checkpointer:
         self.on_commit = None  # called with (uri, global_step) once a checkpoint is committed (rank 0's trackers)
         self.before_commit = None  # called before each manifest is written (the lease's fence: one writer per run)
         self.batches_per_epoch, self.epochs, self.max_steps = float("inf"), 1 << 62, 0  # until plan()
+        self.wait_s = wait_s  # how long rank 0 waits for the other ranks' shares before it commits
+        self._share: threading.Thread | None = None  # this rank's staged share, writing and uploading
+        self._share_error: BaseException | None = None
+        self._group = None
 
     # ------------------------------------------------------------ cadence
     def plan(self, *, batches_per_epoch: int, epochs: int, max_steps: int = 0) -> None:
@@ -393,8 +440,92 @@ class Checkpointer:
         self._pending_blocked = time.perf_counter() - t0
         return None if self.staged else self.settle()
 
+    def save_shards(self, model: torch.nn.Module, optimizer, shared: dict | None, rng: dict, metrics: dict, *,
+                    rank: int, world_size: int, name: str) -> float | None:
+        """Every rank, at the same point: write this rank's share of a sharded checkpoint (``ray_app.sharded``)
+        and report it; rank 0 (``shared``: its files by name, ``scheduler.pt``, ``state.json``, ...) commits it
+        once every rank's share is uploaded. Staged (``checkpoint.upload: async``): the state is copied (the
+        time training is blocked: this rank's share), then written and uploaded on a background thread over a
+        gloo group of its own. Returns the seconds training was blocked."""
+        from ray_app import sharded
+        from ray_app.strategy import train_state
+
+        t0 = time.perf_counter()
+        self._join_share()  # back-pressure: this rank's previous share is uploaded
+        rel = f"{self.run}/{name}"
+        local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
+        (local / "rng").mkdir()
+        torch.save(rng, local / "rng" / f"rank_{rank}.pt")
+        for fname, obj in (shared or {}).items():
+            if fname.endswith(".json"):
+                (local / fname).write_text(json.dumps(obj, indent=1, sort_keys=True))
+            else:
+                torch.save(obj, local / fname)
+        model_sd, optim_sd = train_state(model, optimizer)
+        if self.staged:
+            group = self._share_group()
+            model_sd, optim_sd = _cpu_copy(model_sd), _cpu_copy(optim_sd)
+
+            def share() -> None:
+                try:
+                    sharded.write_state(local, model_sd, optim_sd, group)
+                    sharded.upload_share(local, self.storage, rel, rank)
+                except BaseException as exc:  # raised on the training thread at the next checkpoint or the end
+                    self._share_error = exc
+                finally:
+                    cleanup_local(local)
+
+            self._share = threading.Thread(target=share, name="ray-app-ckpt-share", daemon=True)
+            self._share.start()
+        else:
+            try:
+                sharded.write_state(local, model_sd, optim_sd)
+                sharded.upload_share(local, self.storage, rel, rank)
+            finally:
+                cleanup_local(local)
+        self.last_uri = self.storage.uri(self.run, name)
+        metrics = dict(metrics, checkpoint=self.last_uri)
+        if rank != 0:
+            self._report(metrics, None, name, None)
+        else:
+            if self._uploaded is not None:
+                self._uploaded.wait()  # one commit in flight at a time
+            uploaded = self._uploaded = threading.Event()
+            epoch = (shared or {}).get("state.json", {}).get("epoch", 0)
+
+            def commit(local_dir: Path, dir_name: str) -> None:
+                try:
+                    sharded.commit(self.storage, f"{self.run}/{dir_name}", world_size, global_step=metrics["global_step"],
+                                   epoch=epoch, wait_s=self.wait_s, before_commit=self.before_commit, local=local_dir)
+                    if self.on_commit is not None:
+                        self.on_commit(self.storage.uri(self.run, dir_name), metrics["global_step"])
+                finally:
+                    uploaded.set()
+
+            self._report(metrics, Path(tempfile.mkdtemp(prefix="ray-app-commit-")), name, commit)
+        self._pending_blocked = time.perf_counter() - t0
+        return self.settle()
+
+    def _share_group(self):
+        """A gloo group of the staged shares' own (made once, by every rank at the same checkpoint): their DCP
+        planning runs on a background thread, never on the group training uses."""
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _join_share(self) -> None:
+        if self._share is not None:
+            self._share.join()
+            self._share = None
+        if self._share_error is not None:
+            exc, self._share_error = self._share_error, None
+            raise exc
+
     def wait_committed(self) -> None:
         """Until the newest checkpoint's upload has ended (a staged one uploads in the background)."""
+        self._join_share()
         if self._uploaded is not None:
             self._uploaded.wait()
 

@@ -104,6 +104,13 @@ class TrainSection:
                                       "step.")
     static_graph: bool = _f(False, "Passed to DDP: the set of used parameters is the same every step; with unused "
                             "parameters it skips find_unused_parameters' per-step graph walk.")
+    strategy: str = _f("ddp", "How the model is spread over the workers: ddp (every rank holds the whole model; "
+                       "gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, gradients and optimizer "
+                       "state sharded over the ranks, for models larger than one device).", choices=["ddp", "fsdp"])
+    fsdp_units: str = _f("", "fsdp: the module classes sharded as units, comma-separated class names (e.g. Block); "
+                         "empty: each block of the model's ModuleLists, else each top-level child with parameters.")
+    reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (less memory, one more "
+                                     "all-gather in backward).")
     max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)
     nonfinite: str = _f("stop", "A step whose loss or gradients are not finite (inf/NaN): stop (exit 1 at that step, "
                         "naming the newest good checkpoint), skip (drop that optimizer step on every rank, counted in "

@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ray_app.ddp import first_dim
 from ray_app.errors import Diverged, PluginError
 from ray_app.evaluation import describe
+from ray_app.strategy import full_value, is_sharded
 
 
 class LossContract:
@@ -62,7 +64,7 @@ class NonFinite:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
         else:  # the norm alone: one pass over the gradients, one number to the host
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        return self.mode == "ignore" or bool(torch.isfinite(norm))
+        return self.mode == "ignore" or bool(torch.isfinite(full_value(norm)))  # FSDP: the global norm, replicated
 
     def step_dropped(self, step: int, newest_checkpoint: str | None) -> None:
         """The optimizer step ``step`` had non-finite gradients: skip it (every rank) or raise ``Diverged``."""
@@ -80,5 +82,11 @@ class NonFinite:
 
     @staticmethod
     def parameters_finite(module: torch.nn.Module) -> bool:
-        """Every rank holds the same parameters (DDP), so every rank gets the same answer."""
-        return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+        """Every rank holds the same parameters (DDP), so every rank gets the same answer; under FSDP each rank
+        holds its shards, and the ranks agree in one all_reduce (every rank calls this at the same point)."""
+        if not is_sharded(module):
+            return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+        local = all(bool(torch.isfinite(p.to_local()).all()) for p in module.parameters())
+        verdict = torch.tensor([1 if local else 0], dtype=torch.int32, device=next(module.parameters()).device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # sync point: all ranks
+        return bool(verdict.item())

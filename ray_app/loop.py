@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ray_app import __version__
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state
+from ray_app.checkpoint import capture_rng_state
 from ray_app.config import Config
 from ray_app.ddp import to_device
 from ray_app.errors import Preempted, Stopped
@@ -48,6 +48,7 @@ from ray_app.parts import Parts, Runtime
 from ray_app.preemption import STOP, TRAINING, Agreement
 from ray_app.progress import MetricsSink, Progress, RunStats
 from ray_app.resume import Position, TrainState, restore
+from ray_app.strategy import no_sync
 
 # ---------------------------------------------------------------- the loop
 
@@ -108,6 +109,7 @@ class Trainer:
         summary = self._final_metrics()
         self._final_checkpoint(summary)
         self._account(self.ckpt.settle())
+        self.ckpt.wait_committed()  # a staged share still uploading: the worker stays until it is done
         summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
                        checkpoints_written=self.ckpt.written)
         self.metrics.close()
@@ -199,7 +201,8 @@ class Trainer:
     def _forward_backward(self, batch, group_size: int, sync: bool):
         # practice 3: DDP all-reduces gradients during backward; on non-final
         # micro-steps no_sync() skips that all-reduce (gradients accumulate locally)
-        ctx = contextlib.nullcontext() if sync or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        # (FSDP: set_requires_gradient_sync(False) skips the reduce-scatter the same way; ray_app.strategy)
+        ctx = contextlib.nullcontext() if sync else no_sync(self.model)
         with ctx:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 loss, n = self.loss_contract(self.task.loss(self.model, batch), batch)
@@ -256,22 +259,17 @@ class Trainer:
                         f"(newest good: {self.ckpt.last_uri})")
             self.rt.report(dict(self._metrics_dict(), **(metrics or {})))  # Ray's barrier: every rank reports
             return
-        gathered = [None] * self.world_size
-        # sync point: each rank's RNG goes to rank 0, and rank 0's name for the checkpoint to every rank
-        dist.all_gather_object(gathered, (capture_rng_state(), self.ckpt.new_name(self.pos.global_step)))
-        rng_all = [rng for rng, _ in gathered]
-        name = gathered[0][1]  # the writer's: every rank reports the directory that will exist
+        names = [self.ckpt.new_name(self.pos.global_step)]
+        dist.broadcast_object_list(names, src=0)  # sync point: rank 0's name, which every rank writes under
         metrics = dict(self._metrics_dict(), **(metrics or {}))
-        payload = None
-        if self.is_rank0:
-            payload = CheckpointPayload(
-                model=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
-                scheduler=self.scheduler.state_dict(), rng_per_rank=rng_all,
-                state=TrainState(self.pos, self.world_size, self.last_eval, self.metrics.checkpoint_state()).state_dict(),
-                config=self.cfg.to_dict(), metrics=metrics,
-            )
-        self._account(self.ckpt.save(payload, metrics, is_writer=self.is_rank0, param_keys=self.parts.param_keys,
-                                     name=name))
+        shared = None
+        if self.is_rank0:  # the small files; every rank writes its share of the model, the optimizer and its RNG
+            shared = {"scheduler.pt": self.scheduler.state_dict(), "config.json": self.cfg.to_dict(),
+                      "state.json": TrainState(self.pos, self.world_size, self.last_eval,
+                                               self.metrics.checkpoint_state()).state_dict(),
+                      "metrics.json": metrics}
+        self._account(self.ckpt.save_shards(self.model, self.optimizer, shared, capture_rng_state(), metrics,
+                                            rank=self.rank, world_size=self.world_size, name=names[0]))
         self._checkpointed_at = self.pos.global_step
 
     def _account(self, blocked: float | None) -> None:

@@ -18,6 +18,7 @@ from ray_app.config import Config
 from ray_app.ddp import ResumableDistributedSampler, assert_identical_parameters, data_samplers, lr_lambda, seed_everything
 from ray_app.evaluation import EvalSet
 from ray_app.plugins import build_data, build_model, build_task
+from ray_app.strategy import fully_shard_model
 
 # ---------------------------------------------------------------- the seam (the real object and test fakes)
 
@@ -41,8 +42,8 @@ class Parts:
     """Everything the loop trains with, built once per worker-group start."""
 
     task: Any
-    model: torch.nn.Module  # DDP-wrapped
-    module: torch.nn.Module  # the user's module inside it
+    model: torch.nn.Module  # DDP-wrapped, or the user's module sharded in place (train.strategy fsdp)
+    module: torch.nn.Module  # the user's module inside it (under fsdp: the model itself)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_sampler: ResumableDistributedSampler
@@ -62,9 +63,15 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     collate_fn = info.pop("collate_fn", None)  # a data plug-in may hand over its own
     seed_everything(cfg.run.seed)  # practice 1: identical init on every rank
     module = build_model(cfg, info).to(runtime.device)
-    model = runtime.prepare_model(module, bucket_cap_mb=cfg.train.bucket_cap_mb)
-    module = getattr(model, "module", model)
-    assert_identical_parameters(model)
+    if cfg.train.strategy == "fsdp":  # practice 1 on the unsharded parameters: FSDP broadcasts nothing
+        assert_identical_parameters(module)
+        model = module = fully_shard_model(module, runtime.device, runtime.world_size, units=cfg.train.fsdp_units,
+                                           reshard_after_forward=cfg.train.reshard_after_forward,
+                                           bf16=cfg.train.amp and runtime.device.type == "cuda")
+    else:
+        model = runtime.prepare_model(module, bucket_cap_mb=cfg.train.bucket_cap_mb)
+        module = getattr(model, "module", model)
+        assert_identical_parameters(model)
     seed_everything(cfg.run.seed * 1000 + runtime.rank)  # per-rank streams (dropout, augmentation)
     task = build_task(cfg)
 

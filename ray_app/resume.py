@@ -84,16 +84,15 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     if conflicts and not checkpointer.warm_start:
         raise PluginError(f"checkpoint {loaded.uri} was made with another {', '.join(conflicts)}; "
                           "use another run.name (or run.resume_from to warm-start)")
-    try:
-        parts.module.load_state_dict(loaded.model)
-    except RuntimeError as exc:
+    try:  # either strategy, any world size (ray_app.strategy); a warm start takes the weights alone
+        loaded.load_into(parts.model, None if conflicts else parts.optimizer)
+    except (RuntimeError, KeyError, ValueError) as exc:
         first = first_line(exc)
         raise PluginError(f"checkpoint {loaded.uri} does not fit model.name={cfg.model.name} ({first}); "
                           "use another run.name for a changed model") from None
     if conflicts:  # a warm start from another run's checkpoint: its weights, a fresh start otherwise
         say(f"warm start from {loaded.uri}: model weights only (it differs in {', '.join(conflicts)})")
         return None
-    parts.optimizer.load_state_dict(loaded.optimizer)
     if loaded.scheduler:
         parts.scheduler.load_state_dict(loaded.scheduler)
     state = TrainState.from_state_dict(loaded.state, cfg.data.batch_size, world_size)

@@ -125,6 +125,7 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
     checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
                                 every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
                                 staged=cfg.checkpoint.upload == "async", retry_s=cfg.failure.storage_retry_s,
+                                wait_s=cfg.failure.hang_timeout_s,
                                 warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     if job.get("lease_token"):  # no commit once another driver holds the run (this one's was killed)
         from ray_app.lease import fence
@@ -167,7 +168,7 @@ def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dic
                                       warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
-    parts.module.load_state_dict(loaded.model)
+    loaded.load_into(parts.model)  # consolidated (model_only): the whole state, each rank's part cut from it
     trainer = Trainer(cfg, runtime, parts, checkpointer=None, metrics=NullMetrics(), stats=stats)
     result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))
     runtime.report(result)

@@ -1,0 +1,120 @@
+"""How the model is spread over the workers (``train.strategy``): DDP (the default: every rank holds the whole
+model, gradients all-reduced) or FSDP2 (``fully_shard``: parameters, gradients and optimizer state sharded
+over the ranks, gathered unit by unit for forward and backward).
+
+The loop and the checkpoints see one model either way; what differs lives here: wrapping, skipping the
+gradient sync on non-final micro-steps, and moving state in and out. State goes through
+``torch.distributed.checkpoint.state_dict`` (``get_state_dict``/``set_state_dict``): keyed by the user's
+parameter names under both strategies (DDP's ``module.`` prefix gone), so a checkpoint of one loads into
+the other, at any world size (``ray_app.checkpoint``'s sharded format).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from ray_app.errors import ConfigError
+
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
+    """The sub-modules FSDP shards as units: those of the classes named in ``train.fsdp_units``, else each
+    block of the model's ModuleLists (a transformer's layers), else each top-level child with parameters."""
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    if wanted:
+        units = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
+        if not units:
+            classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
+            raise ConfigError(f"train.fsdp_units={names}: no module of the model is of these classes; "
+                              f"its classes: {', '.join(classes[:12])}")
+        return units
+    blocks = [b for m in module.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    if blocks:
+        return [b for b in blocks if any(True for _ in b.parameters())]
+    return [c for c in module.children() if any(True for _ in c.parameters())]
+
+
+def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size: int, *, units: str = "",
+                      reshard_after_forward: bool = True, bf16: bool = False) -> torch.nn.Module:
+    """FSDP2 over all ranks (one mesh dimension): each unit sharded, then the root. ``bf16`` (``train.amp``
+    on a GPU): parameters gathered in bf16, gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in shard_units(module, units):
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 model (its parameters are DTensors)."""
+    return hasattr(model, "set_requires_gradient_sync")
+
+
+def no_sync(model: torch.nn.Module):
+    """A context in which backward accumulates gradients locally (non-final gradient-accumulation micro-steps):
+    DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``; a plain module has nothing to skip."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if is_sharded(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_value(t):
+    """A DTensor (a sharded model's norm, a shard) as a plain tensor; a tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state keyed by parameter name: each rank's shards (DTensors) under FSDP, the whole
+    (replicated) state under DDP. What the sharded checkpoint writes, and the template it loads into."""
+    return get_state_dict(model, optimizer)
+
+
+def model_state(model: torch.nn.Module) -> dict:
+    return get_model_state_dict(model)
+
+
+def load_train_state(model: torch.nn.Module, optimizer, model_sd: dict, optim_sd: dict) -> None:
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def load_model_state(model: torch.nn.Module, model_sd: dict, *, full: bool = False) -> None:
+    """``model_sd``: this rank's shards (as ``model_state`` gives), or with ``full`` the whole unsharded state
+    (a single-file checkpoint, an export) that each rank cuts its shard from."""
+    set_model_state_dict(model, model_sd, options=FULL if full else StateDictOptions())
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer, optim_sd: dict) -> None:
+    """A single-file checkpoint's optimizer state (``optimizer.state_dict()``: keyed by parameter index) into
+    a sharded model's optimizer: re-keyed by parameter name, each rank cutting its shard."""
+    names = [n for n, _ in model.named_parameters()]
+    by_name = {"state": {names[i]: s for i, s in optim_sd["state"].items()},
+               "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in optim_sd["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=FULL)

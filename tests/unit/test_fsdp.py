@@ -1,0 +1,196 @@
+"""FSDP2 (``train.strategy=fsdp``) and the checkpoints every rank writes, on real gloo process groups
+(torch.multiprocessing, no Ray).
+
+What a user would notice: an FSDP run stopped mid-epoch resumes and ends bit-identical to the uninterrupted
+one (sync and async checkpoints, gradient accumulation and clipping on); one stopped at 2 workers resumes at
+3 and one stopped at 3 at 2; a DDP checkpoint continues under FSDP and back; every rank wrote its share;
+``checkpoints export`` equals the unsharded parameters; an evaluation of the checkpoint at 1, 2 and 3 workers
+equals a single-process evaluation of the export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ray_app import catalog
+from ray_app.checkpoint import Checkpointer, load_named_or_newest
+from ray_app.config import load_config
+from ray_app.loop import Trainer
+from ray_app.metrics import NullMetrics
+from ray_app.parts import build_parts
+from ray_app.storage import LocalStorage
+from tests.support.evaluation import default_model_eval
+from tests.unit.test_loop_ddp import ACCUM2, BASE, NO_CKPT, FakeRuntime, RecordingMetrics, SimulatedCrash, _finish, _init, _spawn
+
+pytestmark = pytest.mark.timeout(300)
+
+FSDP = ["train.strategy=fsdp"] + ACCUM2  # accumulation (no gradient sync on the first micro-step) and clipping
+EVERY5 = ["checkpoint.every_steps=5", "checkpoint.every_epochs=1"]
+# digits: 23 batches per rank per epoch at 2 workers -> 12 optimizer steps per epoch with grad_accum=2
+RUNS = {  # name -> (overrides, crash after checkpoint number or None)
+    "fsdp-ref": (FSDP + NO_CKPT, None),
+    "fsdp-mid": (FSDP + EVERY5, 1),  # crash after step 5, mid-epoch 0
+    "fsdp-async": (FSDP + EVERY5 + ["checkpoint.upload=async"], 1),
+    "ddp-1": (ACCUM2 + ["train.epochs=1"], None),
+}
+
+
+def _cfg(storage: str, name: str, overrides: list[str]):
+    return load_config(None, BASE + overrides + [f"run.name={name}", f"run.storage={storage}"])
+
+
+def _full(model) -> dict:
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+
+
+def _fit(rank: int, world: int, cfg, crash_after=None) -> dict:
+    staged = cfg.checkpoint.upload == "async"
+    rt = FakeRuntime(rank, world, crash_after, async_upload=staged)
+    metrics = RecordingMetrics()
+    ckpt = Checkpointer(LocalStorage(cfg.run.storage), cfg.run.name, rt.report, every_epochs=cfg.checkpoint.every_epochs,
+                        every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from, warn=print,
+                        staged=staged, wait_s=60)
+    trainer = Trainer(cfg, rt, build_parts(cfg, rt), ckpt, metrics)
+    try:
+        summary = trainer.fit()
+        rt.drain()
+    except SimulatedCrash:
+        summary = None
+    return {"summary": summary, "params": _full(trainer.model), "resumed_from_step": trainer.resumed_from_step,
+            "losses": [p["train_loss"] for p in metrics.progress]}
+
+
+def _evaluate(rank: int, world: int, cfg, uri: str) -> dict:
+    rt = FakeRuntime(rank, world)
+    parts = build_parts(cfg, rt)
+    load_named_or_newest(uri, rank=None, model_only=True).load_into(parts.model)
+    return Trainer(cfg, rt, parts, None, NullMetrics()).evaluate()
+
+
+def _first_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
+    _init(rank, world, port)
+    results = {}
+    for name, (overrides, crash_after) in RUNS.items():
+        cfg = _cfg(storage, name, overrides)
+        results[name] = _fit(rank, world, cfg, crash_after)
+        if crash_after is not None:
+            results[name] = {"crashed": results[name], "resumed": _fit(rank, world, cfg)}
+    # a DDP checkpoint continues under FSDP (it trains the second epoch), an FSDP one under DDP (nothing left)
+    results["fsdp-from-ddp"] = _fit(rank, world, _cfg(storage, "fsdp-from-ddp", FSDP + ["train.epochs=2",
+                                                       f"run.resume_from={storage}/ddp-1"]))
+    results["ddp-from-fsdp"] = _fit(rank, world, _cfg(storage, "ddp-from-fsdp", ACCUM2 + [
+        f"run.resume_from={storage}/fsdp-mid"]))
+    # stopped at 2 workers, resumed at 3 in the next spawn
+    results["to3"] = _fit(rank, world, _cfg(storage, "to3", FSDP + EVERY5), crash_after=1)
+    results["eval2"] = _evaluate(rank, world, _cfg(storage, "e", FSDP), f"{storage}/fsdp-mid")
+    torch.save(results, os.path.join(out, f"first{rank}.pt"))
+    _finish()
+
+
+def _world3_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
+    _init(rank, world, port)
+    results = {"to3": _fit(rank, world, _cfg(storage, "to3", FSDP + EVERY5)),
+               "to2": _fit(rank, world, _cfg(storage, "to2", FSDP + EVERY5), crash_after=1),
+               "eval3": _evaluate(rank, world, _cfg(storage, "e", FSDP), f"{storage}/fsdp-mid")}
+    torch.save(results, os.path.join(out, f"world3-{rank}.pt"))
+    _finish()
+
+
+def _last_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
+    _init(rank, world, port)
+    results = {"eval1": _evaluate(rank, world, _cfg(storage, "e", FSDP), f"{storage}/fsdp-mid")}
+    if world == 2:
+        results["to2"] = _fit(rank, world, _cfg(storage, "to2", FSDP + EVERY5))
+    torch.save(results, os.path.join(out, f"last{world}-{rank}.pt"))
+    _finish()
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory, port_picker):
+    out = tmp_path_factory.mktemp("fsdp")
+    storage = str(out / "runs")
+    _spawn(_first_worker, 2, port_picker(), str(out), storage)
+    _spawn(_world3_worker, 3, port_picker(), str(out), storage)
+    _spawn(_last_worker, 1, port_picker(), str(out), storage)
+    _spawn(_last_worker, 2, port_picker(), str(out), storage)
+    load = lambda f: torch.load(out / f, weights_only=True)  # noqa: E731
+    return {"first": load("first0.pt"), "world3": load("world3-0.pt"), "last1": load("last1-0.pt"),
+            "last2": load("last2-0.pt"), "storage": LocalStorage(storage), "root": storage}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["fsdp-mid", "fsdp-async"])
+def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_identical(fsdp_runs, name):
+    r, ref = fsdp_runs["first"][name], fsdp_runs["first"]["fsdp-ref"]
+    assert r["crashed"]["summary"] is None and r["resumed"]["resumed_from_step"] == 5
+    assert not _equal(r["crashed"]["params"], ref["params"])  # the crash stopped it early
+    assert r["resumed"]["summary"]["global_step"] == ref["summary"]["global_step"] == 24
+    assert _equal(r["resumed"]["params"], ref["params"])
+    assert r["resumed"]["summary"]["eval_loss"] == ref["summary"]["eval_loss"]
+    assert ref["summary"]["eval_accuracy"] > 0.5
+
+
+def test_every_rank_writes_its_share_and_the_manifest_covers_them_all(fsdp_runs):
+    storage = fsdp_runs["storage"]
+    found = catalog.newest(storage, "fsdp-mid", check=catalog.VERIFIED)
+    files = found.verification.manifest["files"]
+    assert found.verification.manifest["format"] == catalog.SHARDED_FORMAT
+    for rank in (0, 1):
+        assert {f"model/__{rank}_0.distcp", f"optim/__{rank}_0.distcp", f"rng/rank_{rank}.pt",
+                f"parts/rank_{rank}.json"} <= files.keys()
+    assert "model.pt" not in files  # no rank wrote the whole model
+    share = [files[f"model/__{r}_0.distcp"]["bytes"] for r in (0, 1)]
+    assert min(share) > 0.3 * sum(share)  # each rank holds about half of the sharded parameters
+
+
+def test_a_ddp_checkpoint_continues_under_fsdp_and_back(fsdp_runs):
+    first = fsdp_runs["first"]
+    from_ddp = first["fsdp-from-ddp"]
+    assert from_ddp["resumed_from_step"] == 12 and from_ddp["summary"]["global_step"] == 24
+    assert from_ddp["summary"]["eval_accuracy"] > 0.5
+    back = first["ddp-from-fsdp"]  # the FSDP run's final checkpoint: nothing left to train, its parameters
+    assert back["resumed_from_step"] == 24 and _equal(back["params"], first["fsdp-mid"]["resumed"]["params"])
+
+
+def test_an_fsdp_run_stopped_at_2_workers_resumes_at_3_and_one_stopped_at_3_at_2(fsdp_runs):
+    stopped, resumed = fsdp_runs["first"]["to3"], fsdp_runs["world3"]["to3"]
+    assert stopped["summary"] is None and resumed["resumed_from_step"] == 5
+    assert resumed["summary"]["epochs"] == 2 and resumed["summary"]["eval_accuracy"] > 0.3  # chance: 0.1
+    # the loss continues: at the first progress line (step 7) it is where the uninterrupted 2-worker run's is
+    assert resumed["losses"][0] == pytest.approx(fsdp_runs["first"]["fsdp-ref"]["losses"][0], rel=0.02)
+    stopped, resumed = fsdp_runs["world3"]["to2"], fsdp_runs["last2"]["to2"]
+    assert stopped["summary"] is None and resumed["resumed_from_step"] == 5
+    assert resumed["summary"]["epochs"] == 2 and resumed["summary"]["eval_accuracy"] > 0.3  # chance: 0.1
+
+
+def test_export_is_the_unsharded_parameters_and_evaluation_at_1_2_3_workers_equals_it(fsdp_runs, tmp_path):
+    from ray_app.cli import main
+
+    out = tmp_path / "model.pt"
+    assert main(["checkpoints", "export", f"{fsdp_runs['root']}/fsdp-mid", "--out", str(out)]) == 0
+    exported = torch.load(out, weights_only=True)
+    assert _equal(exported, fsdp_runs["first"]["fsdp-mid"]["resumed"]["params"])
+    accuracy, loss = default_model_eval(exported)
+    for key, world in (("eval1", "last1"), ("eval2", "first"), ("eval3", "world3")):
+        result = fsdp_runs[world][key]
+        assert result["eval_accuracy"] == accuracy, key
+        assert result["eval_loss"] == pytest.approx(loss, rel=1e-5), key
+
+
+def test_a_single_file_checkpoint_still_loads_under_both_strategies(tmp_path):
+    """A checkpoint of the earlier format (rank 0's model.pt) is found and loaded as before."""
+    from tests.support.checkpoints import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "old", 7)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == catalog.SINGLE_FILE_FORMAT
+    loaded = load_named_or_newest(str(tmp_path / "old"), rank=0)
+    assert loaded.sharded is None and loaded.state["global_step"] == 7
