@@ -36,8 +36,7 @@ import numpy as np
 import torch
 
 from ray_app import catalog
-from ray_app.catalog import (FORMAT, MANIFEST, SHARDED_FORMAT, SINGLE_FILE_FORMAT, Verification, check_manifest,
-                              checkpoint_dir_name, read_verified)
+from ray_app.catalog import FORMAT, MANIFEST, SHARDED_FORMAT, SINGLE_FILE_FORMAT, Verification, check_manifest, checkpoint_dir_name, read_verified
 from ray_app.errors import CheckpointDamaged, CheckpointError, first_line
 
 log = logging.getLogger("ray_app.checkpoint")

@@ -147,7 +147,7 @@ def _load(state: dict, reader: VerifiedReader, *, everything: bool = False) -> N
             dcp.load(state, storage_reader=reader)
     except CheckpointException as exc:
         for failure in exc.failures.values():
-            inner = getattr(failure, "exc", failure)
+            inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, its traceback summary)
             if isinstance(inner, (CheckpointError, StorageError)):
                 raise inner from None
         raise

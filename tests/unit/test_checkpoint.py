@@ -143,7 +143,7 @@ def _rewrite_format(storage, rel: str, fmt) -> None:
     man_path.write_text(json.dumps(man))
 
 
-@pytest.mark.parametrize("fmt", ["ray_app.checkpoint/2", None])
+@pytest.mark.parametrize("fmt", ["ray_app.checkpoint/9", None])
 def test_a_manifest_of_an_unknown_format_is_refused_by_name(storage, fmt):
     rel = commit(storage, 3)
     _rewrite_format(storage, rel, fmt)
@@ -159,13 +159,13 @@ def test_a_manifest_of_an_unknown_format_is_refused_by_name(storage, fmt):
 def test_the_format_check_holds_under_python_optimize(storage):
     """``python -O`` drops asserts: the format check is not one."""
     rel = commit(storage, 3)
-    _rewrite_format(storage, rel, "ray_app.checkpoint/2")
+    _rewrite_format(storage, rel, "ray_app.checkpoint/9")
     code = ("import sys; from ray_app.catalog import verify; from ray_app.storage import LocalStorage; "
             f"v = verify(LocalStorage({str(storage.root)!r}), {rel!r}); print(v.ok, v.reason)")
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("False manifest of an unknown format 'ray_app.checkpoint/2'"), out.stdout
+    assert out.stdout.startswith("False manifest of an unknown format 'ray_app.checkpoint/9'"), out.stdout
 
 
 def test_upload_writes_manifest_last(storage, tmp_path):

@@ -126,7 +126,7 @@ def _counts_worker(rank: int, world: int, port: int, out: str, storage: str) -> 
     results["eval"] = {"result": result, "passes": _passes(trainer.task, world)}
     # the driver of `ray-app eval` reads only the config: a damaged model is found here, as bad input
     if rank == 0:
-        path = Path(result["checkpoint"]) / "model.pt"
+        path = Path(result["checkpoint"]) / "model" / "__0_0.distcp"  # rank 0's share of the model
         data = bytearray(path.read_bytes())
         data[-20] ^= 1
         path.write_bytes(bytes(data))
@@ -166,7 +166,7 @@ def test_ray_app_eval_evaluates_once(counted):
     for r in ranks:
         assert r["eval"]["passes"] == 1
         assert r["eval"]["result"]["eval_accuracy"] == r["three-epochs"]["summary"]["eval_accuracy"]
-        assert "failed verification: sha256 mismatch in model.pt" in r["damaged"]  # exit 2, one line
+        assert "failed verification: sha256 mismatch in model/__0_0.distcp" in r["damaged"]  # exit 2, one line
 
 
 @pytest.mark.timeout(180)
