@@ -161,6 +161,11 @@ class MotoS3:
         return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
                             aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key)
 
+    def env(self) -> dict:
+        """The standard AWS variables a process on this machine reads the store with."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": self.url, "AWS_EC2_METADATA_DISABLED": "true"}
+
     def keys(self, prefix: str) -> list[str]:
         out, token = [], None
         s3 = self.client()

@@ -12,7 +12,6 @@ container, an elastic job (`scaling.min_workers: 2`) loses a container for good 
 
 from __future__ import annotations
 
-import io
 import re
 import secrets
 import textwrap
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from tests.e2e.e2e_cluster import LOG_DIR, ContainerCluster, docker, rank_placements, summary_of, wait_until, world_sizes
+from tests.support.checkpoints import checkpoint_model
 from tests.support.ddp_script import TRAIN, lines_of, write_scripts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -56,10 +56,8 @@ def run_name(kind: str) -> str:
 
 
 def final_parameters(cluster, summary: dict) -> dict:
-    """model.pt of the summary's (newest) checkpoint, read from the S3 store."""
-    key = summary["checkpoint"].removeprefix("s3://ray-app/") + "/model.pt"
-    body = cluster.s3.client().get_object(Bucket="ray-app", Key=key)["Body"].read()
-    return torch.load(io.BytesIO(body), weights_only=True)
+    """The model of the summary's (newest) checkpoint, every rank's share read from the S3 store."""
+    return checkpoint_model(summary["checkpoint"], cluster.s3.env())
 
 
 def assert_bit_identical(a: dict, b: dict) -> None:

@@ -104,7 +104,9 @@ class Run:
 
 def final_model(summary: dict) -> dict:
     """The parameters in the checkpoint the run ended on."""
-    return torch.load(Path(summary["checkpoint"]) / "model.pt", weights_only=True)
+    from tests.support.checkpoints import checkpoint_model
+
+    return checkpoint_model(summary["checkpoint"])
 
 
 def committed_steps(run_dir: Path) -> list[int]:

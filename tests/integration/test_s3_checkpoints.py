@@ -8,7 +8,6 @@ resubmitted: tests/integration/test_faults.py.)
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from tests.integration.s3server import start_s3_server
+from tests.support.checkpoints import checkpoint_model
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +51,7 @@ def summary_of(stdout: str) -> dict:
 
 
 def model_state(s3, uri: str) -> dict:
-    bucket, key = uri[len("s3://"):].split("/", 1)
-    body = s3.client().get_object(Bucket=bucket, Key=f"{key}/model.pt")["Body"].read()
-    return torch.load(io.BytesIO(body), weights_only=True)
+    return checkpoint_model(uri, s3.env())
 
 
 def assert_bit_identical(a: dict, b: dict) -> None:
@@ -180,18 +178,19 @@ def test_broken_checkpoints_are_never_loaded(s3, tmp_path):
         prefix = f"broken/{run}/{name}/"
         _copy_checkpoint(s3, good_prefix, prefix)
         if kind == "flipped_byte":
-            data = bytearray(c.get_object(Bucket=s3.bucket, Key=prefix + "model.pt")["Body"].read())
+            data = bytearray(c.get_object(Bucket=s3.bucket, Key=prefix + "model/__0_0.distcp")["Body"].read())
             data[len(data) // 2] ^= 0x01
-            c.put_object(Bucket=s3.bucket, Key=prefix + "model.pt", Body=bytes(data))
+            c.put_object(Bucket=s3.bucket, Key=prefix + "model/__0_0.distcp", Body=bytes(data))
         elif kind == "missing_file":
-            c.delete_object(Bucket=s3.bucket, Key=prefix + "optimizer.pt")
+            c.delete_object(Bucket=s3.bucket, Key=prefix + "optim/__1_0.distcp")
         else:
             c.delete_object(Bucket=s3.bucket, Key=prefix + "manifest.json")
         broken[kind] = f"{storage}/{run}/{name}"
 
     rc, out, err = ray_app(["checkpoints", "verify", f"{storage}/{run}"], s3.env(), timeout=60)
     assert rc == 2
-    assert "sha256 mismatch in model.pt" in out and "missing file optimizer.pt" in out and "no manifest" in out
+    assert "sha256 mismatch in model/__0_0.distcp" in out and "missing file optim/__1_0.distcp" in out
+    assert "no manifest" in out
     rc, out, _ = ray_app(["checkpoints", "list", f"{storage}/{run}", "--json"], s3.env(), timeout=60)
     rows = {r["uri"]: r for r in json.loads(out)}
     assert rows[good]["verified"] and not any(rows[u]["verified"] for u in broken.values())

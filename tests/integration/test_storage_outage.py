@@ -33,7 +33,7 @@ WORKLOAD = [
     "--set", "train.log_every_steps=8", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
     "--set", "checkpoint.every_steps=8", "--set", "checkpoint.upload=sync",
 ]
-MODEL_PUT = rb"PUT /[^ ]*/ckpt-s\d+[^ /]*/model\.pt"  # after config.json and metrics.json of the checkpoint
+MODEL_PUT = rb"PUT /[^ ]*/ckpt-s\d+[^ /]*/model/__0_0\.distcp"  # rank 0's share, after its config.json and metrics.json
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
     assert len(proxy.outages) == 1, "the outage never started: no checkpoint upload matched"
     start, end = proxy.outages[0]
     assert re.search(r"ray-app: storage s3://\S+ at http://127\.0\.0\.1:\d+ unreachable \(\w+\) during upload of "
-                     rf"{run}/ckpt-s\d+-\S+/model\.pt; retrying for up to 120 s", text), text[-4000:]
+                     rf"{run}/ckpt-s\d+-\S+/model/__0_0\.distcp; retrying for up to 120 s", text), text[-4000:]
     waited = [float(x) for x in re.findall(r"answers again after ([\d.]+) s", text)]
     # waited the outage out (25 s from the reset), within the budget: backoff on a loaded machine may overshoot
     assert waited and 20 <= max(waited) <= 120, waited
@@ -124,8 +124,9 @@ def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_che
 
     dirs = checkpoints(s3, run)
     partial = [name for name, files in dirs.items() if "manifest.json" not in files]
-    assert len(partial) == 1 and partial[0].startswith("ckpt-s000000016-"), dirs  # its upload was cut at model.pt
-    assert dirs[partial[0]] == {"config.json", "metrics.json"}, dirs[partial[0]]  # sorted: these two, then model.pt
+    assert len(partial) == 1 and partial[0].startswith("ckpt-s000000016-"), dirs  # rank 0's upload was cut
+    assert {"config.json", "metrics.json"} <= dirs[partial[0]], dirs[partial[0]]  # sorted: these, then its share
+    assert "model/__0_0.distcp" not in dirs[partial[0]] and "parts/rank_0.json" not in dirs[partial[0]], dirs
     assert re.search(r"resumed from s3://\S+/ckpt-s000000008-", text), text[-4000:]
     rows = verify_all(s3, run)
     committed = [r for r in rows if r["name"] != partial[0]]

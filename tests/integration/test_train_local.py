@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.checkpoints import checkpoint_model
 from tests.support.evaluation import default_model_eval
 
 pytestmark = pytest.mark.integration
@@ -131,9 +132,9 @@ def test_a_diverging_run_ends_with_one_line_and_exit_1(run_cli, tmp_path, port_p
     last = err.strip().splitlines()[-1]
     assert last.startswith("ray-app: training failed: training diverged at step "), err[-3000:]
     assert "Traceback" not in out + err and err.count("training diverged") == 1, err[-3000:]
-    for model in (tmp_path / "diverge").glob("ckpt-s*/model.pt"):
-        state = torch.load(model, weights_only=True)
-        assert all(bool(torch.isfinite(t).all()) for t in state.values()), model
+    for manifest in (tmp_path / "diverge").glob("ckpt-s*/manifest.json"):
+        state = checkpoint_model(str(manifest.parent))
+        assert all(bool(torch.isfinite(t).all()) for t in state.values()), manifest
     diverged_at = int(last.split("training diverged at step ")[1].split(":")[0])
     committed = [m.parent for m in (tmp_path / "diverge").glob("ckpt-s*/manifest.json")]
     assert len(committed) == 1 and f"newest good checkpoint: {committed[0]}" in last, (committed, last)

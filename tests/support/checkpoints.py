@@ -33,3 +33,22 @@ def write_checkpoint(run_dir: Path, step: int, **payload) -> Path:
     path = Path(run_dir) / checkpoint_dir_name(step)
     write_checkpoint_dir(path, tiny_payload(step, **payload))
     return path
+
+
+def checkpoint_model(uri: str, env: dict | None = None) -> dict:
+    """The model state_dict of a checkpoint (or of a run's newest), consolidated from every rank's share as
+    `ray-app checkpoints export` does; ``env``: the S3 settings (endpoint, credentials) to read it with."""
+    import os
+
+    from ray_app.checkpoint import load_named_or_newest
+
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return load_named_or_newest(uri, rank=None, model_only=True).model
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
