@@ -379,18 +379,32 @@ class Checkpointer:
         return trained and bool(self.every_epochs or self.every_steps)
 
     # ------------------------------------------------------------ restore
-    def restore(self, rank: int) -> LoadedCheckpoint | None:
+    def restore(self, rank: int, put_back=None) -> LoadedCheckpoint | None:
         """The newest checkpoint of this run that loads (broken newer ones skipped with a warning), else
-        run.resume_from's (a warm start), else None for a fresh start. Each file is read once."""
-        loaded = load_newest(self.storage, self.run, rank, self.warn)
-        if loaded is None and self.resume_from:
-            self.warm_start = True
+        run.resume_from's (a warm start), else None for a fresh start. Each file is read once.
+
+        ``put_back(loaded)`` loads its state into the model (every rank, at the same point): a sharded
+        checkpoint's shares are read, and found damaged, only there, so a damaged one is skipped for the
+        next older one after it too (every rank gets the same verdict: DCP gathers each rank's failure)."""
+        put_back = put_back or (lambda loaded: None)
+        for found in catalog.find(self.storage, self.run, check=catalog.MANIFEST_OK, warn=self.warn):
             try:
-                loaded = load_named_or_newest(self.resume_from, rank, retry_s=self.retry_s, warn=self.warn)
-            except CheckpointError as exc:
-                raise CheckpointError(f"run.resume_from {self.resume_from}: {exc}") from None
-        if loaded is not None:
+                loaded = load_verified(self.storage, found.rel, rank, checked=found.verification)
+                put_back(loaded)
+            except CheckpointDamaged as exc:
+                self.warn(f"skipping checkpoint {exc.uri}: {exc.reason}")
+                continue
             self.last_uri = loaded.uri
+            return loaded
+        if not self.resume_from:
+            return None
+        self.warm_start = True
+        try:
+            loaded = load_named_or_newest(self.resume_from, rank, retry_s=self.retry_s, warn=self.warn)
+            put_back(loaded)
+        except CheckpointError as exc:
+            raise CheckpointError(f"run.resume_from {self.resume_from}: {exc}") from None
+        self.last_uri = loaded.uri
         return loaded
 
     # ------------------------------------------------------------ save
@@ -460,7 +474,7 @@ class Checkpointer:
                 (local / fname).write_text(json.dumps(obj, indent=1, sort_keys=True))
             else:
                 torch.save(obj, local / fname)
-        model_sd, optim_sd = train_state(model, optimizer)
+        model_sd, optim_sd = sharded.own_share(*train_state(model, optimizer), rank, world_size)
         if self.staged:
             group = self._share_group()
             model_sd, optim_sd = _cpu_copy(model_sd), _cpu_copy(optim_sd)

@@ -158,6 +158,9 @@ class CheckpointDamaged(CheckpointError):
         super().__init__(f"checkpoint {uri} failed verification: {reason}")
         self.uri, self.reason = uri, reason
 
+    def __reduce__(self):  # pickled between ranks (DCP gathers each rank's failure) and by Ray
+        return type(self), (self.uri, self.reason)
+
 
 class ShardError(RuntimeError):
     """Shards that cannot be read as a data set (``ray_app.shards``): no manifest, a manifest of another format

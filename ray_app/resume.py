@@ -74,22 +74,27 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     """The newest good checkpoint of the run (or of ``run.resume_from``) loaded into ``parts``; None for a
     fresh start. A checkpoint of another config is bad input (one line, exit 2), unless it warm-starts a
     new run from another run's weights."""
+    def put_back(loaded) -> None:
+        conflicts = resume_conflicts(loaded.config, cfg)
+        if conflicts and not checkpointer.warm_start:
+            raise PluginError(f"checkpoint {loaded.uri} was made with another {', '.join(conflicts)}; "
+                              "use another run.name (or run.resume_from to warm-start)")
+        try:  # either strategy, any world size (ray_app.strategy); a warm start takes the weights alone
+            loaded.load_into(parts.model, None if conflicts else parts.optimizer)
+        except CheckpointError:
+            raise  # a damaged share: the checkpointer skips it for the next older one
+        except (RuntimeError, KeyError, ValueError) as exc:
+            first = first_line(exc)
+            raise PluginError(f"checkpoint {loaded.uri} does not fit model.name={cfg.model.name} ({first}); "
+                              "use another run.name for a changed model") from None
+
     try:
-        loaded = checkpointer.restore(rank)
+        loaded = checkpointer.restore(rank, put_back)
     except CheckpointError as exc:  # run.resume_from with no checkpoint that loads, or one torch refuses
         raise PluginError(str(exc)) from None  # bad input: one line, exit 2, not retried
     if loaded is None:
         return None
     conflicts = resume_conflicts(loaded.config, cfg)
-    if conflicts and not checkpointer.warm_start:
-        raise PluginError(f"checkpoint {loaded.uri} was made with another {', '.join(conflicts)}; "
-                          "use another run.name (or run.resume_from to warm-start)")
-    try:  # either strategy, any world size (ray_app.strategy); a warm start takes the weights alone
-        loaded.load_into(parts.model, None if conflicts else parts.optimizer)
-    except (RuntimeError, KeyError, ValueError) as exc:
-        first = first_line(exc)
-        raise PluginError(f"checkpoint {loaded.uri} does not fit model.name={cfg.model.name} ({first}); "
-                          "use another run.name for a changed model") from None
     if conflicts:  # a warm start from another run's checkpoint: its weights, a fresh start otherwise
         say(f"warm start from {loaded.uri}: model weights only (it differs in {', '.join(conflicts)})")
         return None

@@ -50,6 +50,31 @@ def _sha256(path: Path) -> str:
 
 # ---------------------------------------------------------------- writing one rank's share
 
+def own_share(model_sd: dict, optim_sd: dict, rank: int, world_size: int) -> tuple[dict, dict]:
+    """What this rank writes: every DTensor (its shard), and of the tensors every rank holds whole (DDP's
+    replicated state) those of the parameters dealt to it: the parameters sorted by size, each to the rank with
+    the fewest bytes so far (the same deal on every rank). Staged, a rank copies only this."""
+    sizes = {k: v.numel() * v.element_size() for k, v in model_sd.items()
+             if isinstance(v, torch.Tensor) and not _is_dtensor(v)}
+    sizes.update({k: sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
+                  + sizes.get(k, 0) for k, s in optim_sd.get("state", {}).items()
+                  if not any(_is_dtensor(t) for t in s.values())})
+    load, mine = [0] * world_size, set()
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += sizes[key]
+        if r == rank:
+            mine.add(key)
+    model = {k: v for k, v in model_sd.items() if k not in sizes or k in mine}
+    optim = {"state": {k: s for k, s in optim_sd.get("state", {}).items() if k not in sizes or k in mine},
+             "param_groups": optim_sd.get("param_groups", [])}
+    return model, optim
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local")
+
+
 def write_state(local: Path, model_sd: dict, optim_sd: dict, group=None) -> None:
     """This rank's share of the model and optimizer state into ``local/model`` and ``local/optim`` (every rank
     calls this at the same point: DCP plans the save over ``group``, the default one when None)."""
@@ -146,11 +171,12 @@ def _load(state: dict, reader: VerifiedReader, *, everything: bool = False) -> N
         else:
             dcp.load(state, storage_reader=reader)
     except CheckpointException as exc:
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, its traceback summary)
-            if isinstance(inner, (CheckpointError, StorageError)):
-                raise inner from None
-        raise
+        inner = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+        for e in inner:
+            if isinstance(e, (CheckpointError, StorageError)):
+                raise e from None
+        # a state that does not fit the checkpoint (missing keys, other shapes): an Exception, not DCP's BaseException
+        raise RuntimeError(f"{type(inner[0]).__name__}: {inner[0]}" if inner else str(exc)) from None
 
 
 class ShardedRef:

@@ -1,9 +1,10 @@
-"""Training from streamed shards on a real S3 API server (moto_server over HTTP) and a local Ray (2 CPU
-workers): digits packed by `ray-app data write` into s3://, trained with `data.name=shards`; one worker
-SIGKILLed mid-epoch, Ray Train restarts the group from the newest checkpoint, and the run ends on the
-uninterrupted run's parameters, bit for bit. Then a run at 3 workers starts from that run's mid-epoch
-checkpoint (saved at 2): the rest of the epoch is re-sharded over 3 and the evaluation stays exact. Last, a
-shard whose bytes changed ends a run as bad input found by a worker: exit 2, one line naming it, no restart."""
+"""An FSDP run (``train.strategy=fsdp``) on a real S3 API server (moto_server over HTTP) and a local Ray (2 CPU
+workers), its data streamed from shards and its checkpoints (every rank writes its share) on S3: digits
+packed by `ray-app data write` into s3://, trained with `data.name=shards`; one worker SIGKILLed mid-epoch,
+Ray Train restarts the group from the newest checkpoint, and the run ends on the uninterrupted run's
+parameters, bit for bit. Then a run at 3 workers starts from that run's mid-epoch checkpoint (saved at 2):
+the shards are resharded over 3, the rest of the epoch too, and the evaluation stays exact. Last, a shard
+whose bytes changed ends a run as bad input found by a worker: exit 2, one line naming it, no restart."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from ray_app import cli
-from tests.integration.faultlib import Run, assert_bit_identical, committed_steps, final_model, summary_of
+from tests.integration.faultlib import Run, assert_bit_identical, final_model, summary_of
 from tests.integration.s3server import start_s3_server
 
 pytestmark = pytest.mark.integration
@@ -25,15 +26,21 @@ STEPS_PER_EPOCH = 45  # 1,438 digits / 2 workers / 16
 DEST = "datasets/digits"
 
 
-def workload(s3, storage) -> list[str]:
-    return ["--set", "data.name=shards", "--set", f"data.path=s3://{s3.bucket}/{DEST}",
+def workload(s3) -> list[str]:
+    return ["--set", "data.name=shards", "--set", f"data.path=s3://{s3.bucket}/{DEST}", "--set", "train.strategy=fsdp",
             "--set", f"data.batch_size={BATCH}", "--set", f"train.epochs={EPOCHS}", "--set", "model.name=digits_cnn",
             "--set", "train.log_every_steps=15", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
-            "--set", f"run.storage={storage}"]
+            "--set", f"run.storage=s3://{s3.bucket}/runs"]
+
+
+def committed(s3, run: str) -> dict[int, str]:
+    """step -> URI of each committed checkpoint of ``run`` on S3."""
+    names = {k.split("/")[2] for k in s3.snapshot(f"runs/{run}/ckpt-s") if k.endswith("/manifest.json")}
+    return {int(n[len("ckpt-s"):][:9]): f"s3://{s3.bucket}/runs/{run}/{n}" for n in names}
 
 
 @pytest.mark.timeout(300)
-def test_a_run_from_s3_shards_killed_mid_epoch_ends_bit_identical(tmp_path, monkeypatch):
+def test_an_fsdp_run_on_s3_killed_mid_epoch_ends_bit_identical(tmp_path, monkeypatch):
     t0 = time.monotonic()
     s3 = start_s3_server(tmp_path / "moto.log")
     try:
@@ -46,16 +53,16 @@ def test_a_run_from_s3_shards_killed_mid_epoch_ends_bit_identical(tmp_path, monk
         keys = s3.snapshot(DEST)
         assert sum(k.endswith(".parquet") for k in keys) == 10  # 8 train shards, 2 eval
 
-        reference = Run(["--set", "run.name=ref", *workload(s3, tmp_path)])
+        reference = Run(["--set", "run.name=ref", *workload(s3)])
         assert reference.wait() == 0, reference.text[-4000:]
         ref = summary_of(reference.text)
         assert ref["global_step"] == EPOCHS * STEPS_PER_EPOCH and ref["num_eval_samples"] == 359, ref
 
-        run = Run(["--set", "run.name=kill", *workload(s3, tmp_path), "--set", "checkpoint.every_steps=10"])
-        run_dir, killed_after = tmp_path / "kill", None
+        run = Run(["--set", "run.name=kill", *workload(s3), "--set", "checkpoint.every_steps=10"])
+        killed_after = None
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and run.proc.poll() is None:
-            steps = committed_steps(run_dir)
+            steps = committed(s3, "kill")
             if any(s > STEPS_PER_EPOCH and s % STEPS_PER_EPOCH for s in steps):  # mid-epoch, past the first
                 killed_after = max(steps)
                 break
@@ -72,8 +79,8 @@ def test_a_run_from_s3_shards_killed_mid_epoch_ends_bit_identical(tmp_path, monk
         t_kill = time.monotonic() - t0
 
         # the mid-epoch checkpoint the kill came after, saved at 2 workers, resumed at 3 (half a CPU each)
-        mid_epoch = next(run_dir.glob(f"ckpt-s{killed_after:09d}-*"))
-        grow = Run(["--set", "run.name=grow", *workload(s3, tmp_path), "--set", "scaling.num_workers=3",
+        mid_epoch = committed(s3, "kill")[killed_after]
+        grow = Run(["--set", "run.name=grow", *workload(s3), "--set", "scaling.num_workers=3",
                     "--set", "scaling.cpus_per_worker=0.5", "--set", f"run.resume_from={mid_epoch}"])
         assert grow.wait() == 0, grow.text[-5000:]
 
@@ -84,7 +91,7 @@ def test_a_run_from_s3_shards_killed_mid_epoch_ends_bit_identical(tmp_path, monk
         body = bytearray(client.get_object(Bucket=s3.bucket, Key=shard)["Body"].read())
         body[len(body) // 2] ^= 0x01
         client.put_object(Bucket=s3.bucket, Key=shard, Body=bytes(body))
-        bad = Run(["--set", "run.name=bad", *workload(s3, tmp_path), "--set", "failure.max_failures=3"])
+        bad = Run(["--set", "run.name=bad", *workload(s3), "--set", "failure.max_failures=3"])
         assert bad.wait() == 2, bad.text[-4000:]
     finally:
         s3.stop()
@@ -101,6 +108,6 @@ def test_a_run_from_s3_shards_killed_mid_epoch_ends_bit_identical(tmp_path, monk
     at3 = math.ceil(math.ceil(1438 / 3) / BATCH)
     assert grown["global_step"] == start + left + (EPOCHS - 1 - start // STEPS_PER_EPOCH) * at3, grown
     assert grown["world_size"] == 3 and grown["num_eval_samples"] == 359 and grown["eval_accuracy"] > 0.5
-    print(f"\n[shards] s3 shards: killed after checkpoint {killed_after}, resumed from step "
+    print(f"\n[shards] fsdp, s3 shards and checkpoints: killed after checkpoint {killed_after}, resumed from step "
           f"{summary['resumed_from_step']}, bit-identical ({t_kill:.0f}s); then 2 -> 3 workers from step {start}; "
           f"the test took {time.monotonic() - t0:.0f}s")

@@ -194,3 +194,91 @@ def test_a_single_file_checkpoint_still_loads_under_both_strategies(tmp_path):
     assert manifest["format"] == catalog.SINGLE_FILE_FORMAT
     loaded = load_named_or_newest(str(tmp_path / "old"), rank=0)
     assert loaded.sharded is None and loaded.state["global_step"] == 7
+
+
+# ---------------------------------------------------------------- memory: a model whose state dominates
+
+WIDE, LAYERS = 2560, 8  # 8 x 2560 x 2560 = 52.4M parameters: 210 MB of fp32 weights, 839 MB with AdamW's state
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the resident high-water mark starts again from the current size
+
+
+def _memory_worker(rank: int, world: int, port: int, out: str, strategy: str) -> None:
+    from ray_app.strategy import fully_shard_model
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    base = _rss_mb("VmRSS:")
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDE, WIDE, bias=False) for _ in range(LAYERS)])
+    rt = FakeRuntime(rank, world)
+    model = fully_shard_model(model, rt.device, world) if strategy == "fsdp" else rt.prepare_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, WIDE)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as between steps of a real loop
+
+    step()
+    for upload in ("sync", "async"):
+        _reset_peak()
+        step()
+        train_peak = _rss_mb("VmHWM:") - base
+        ckpt = Checkpointer(LocalStorage(os.path.join(out, "runs")), f"{strategy}-{upload}", rt.report,
+                            staged=upload == "async", wait_s=60)
+        _reset_peak()
+        ckpt.save_shards(model, optimizer, {"state.json": {"epoch": 0}} if rank == 0 else None, {},
+                         {"global_step": 3}, rank=rank, world_size=world, name=f"ckpt-s000000003-{strategy}-{upload}")
+        ckpt.wait_committed()
+        torch.save({"train_peak": train_peak, "checkpoint_peak": _rss_mb("VmHWM:") - base},
+                   os.path.join(out, f"mem-{strategy}-{upload}-{rank}.pt"))
+    _finish()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory, port_picker, monkeypatch_module):
+    out = tmp_path_factory.mktemp("memory")
+    # every allocation above 64 KiB its own mapping, returned when freed: the resident size is what is live
+    # (glibc's default threshold grows to 32 MiB after a free, and freed heap is kept: a high-water mark of that
+    # measures the allocator's history, not the state)
+    monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    found = {}
+    for strategy in ("ddp", "fsdp"):
+        _spawn(_memory_worker, 2, port_picker(), str(out), strategy)
+        for upload in ("sync", "async"):
+            found[strategy, upload] = [torch.load(out / f"mem-{strategy}-{upload}-{r}.pt") for r in (0, 1)]
+    print("\n[memory] per-rank peak MB above the start (train, checkpoint):",
+          {f"{s}-{u}": [(round(m["train_peak"]), round(m["checkpoint_peak"])) for m in v] for (s, u), v in found.items()})
+    return found
+
+
+def test_fsdp_holds_at_most_0_6x_of_ddps_peak_per_rank(memory):
+    for upload in ("sync", "async"):
+        ddp = max(m["train_peak"] for m in memory["ddp", upload])
+        fsdp = max(m["train_peak"] for m in memory["fsdp", upload])
+        assert fsdp <= 0.6 * ddp, (fsdp, ddp)
+
+
+def test_a_sync_checkpoint_adds_at_most_10_percent_and_an_async_one_at_most_the_ranks_share(memory):
+    state_mb = 4 * WIDE * WIDE * LAYERS * 4 / 2**20  # weights + gradients + AdamW's two moments, fp32
+    for strategy in ("ddp", "fsdp"):
+        for m in memory[strategy, "sync"]:
+            assert m["checkpoint_peak"] <= 1.10 * m["train_peak"], (strategy, m)
+        share = (state_mb - state_mb / 4) / 2  # the weights and moments (no gradients) spread over 2 ranks
+        for m in memory[strategy, "async"]:
+            assert m["checkpoint_peak"] - m["train_peak"] <= 1.1 * share, (strategy, m, share)
