@@ -471,3 +471,11 @@ class JournalSink:
         self._record("trained", global_step=self.global_step, eval_seconds=round(self.eval_seconds, 4))
         if self.writer is not None:
             self.writer.flush(5.0)
+
+
+def record_outages(w: JournalWriter) -> None:
+    """Every storage outage this process waits out (``ray_app.retry``) becomes an ``outage`` event of ``w``."""
+    from ray_app.retry import on_waited_out
+
+    on_waited_out(lambda where, what, seconds: w.record("outage", where=where, during=what,
+                                                        seconds=round(float(seconds), 2)))
