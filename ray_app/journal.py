@@ -73,7 +73,7 @@ class JournalWriter:
     an outage is never waited out inside it, nor reported as an outage of the run)."""
 
     def __init__(self, storage, run: str, source: str | None = None, capacity: int = CAPACITY,
-                 clock=time.time, retry_s: float = 30.0):
+                 clock=time.time, retry_s: float = 300.0):
         self.storage, self.run, self.source = storage, run, source or default_source()
         self.clock, self.retry_s = clock, retry_s
         self.context: dict = {}  # fields every event of this writer carries (launch, attempt)

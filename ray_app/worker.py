@@ -172,6 +172,8 @@ def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus):
     return journal.JournalSink(w, storage, cfg.run.name, launch=job.get("launch_id", ""), hosts=hosts,
                                goodput=prometheus)
 
+
+def preemption_agreement(cfg: Config):
     """The per-step flag of ``ray_app.preemption`` on a gloo group: the default one on CPU, its own
     next to nccl (made here, by every rank)."""
     import torch.distributed as dist
