@@ -270,3 +270,48 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.timeout(60)
+def test_the_failure_policy_journals_each_restart_preemption_and_divergence_with_its_cause(tmp_path, capsys):
+    """The policy travels to Ray Train's controller pickled; there it writes each decision's event, the cause
+    as the restart line names it."""
+    from ray import cloudpickle
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_app.errors import Diverged, Preempted
+    from ray_app.failure_policy import KitFailurePolicy
+
+    sent = KitFailurePolicy(FailureConfig(max_failures=3), journal_of=(str(tmp_path), "r", "L1"))
+    policy = cloudpickle.loads(cloudpickle.dumps(sent))
+    decide = lambda errors: policy.make_decision(WorkerGroupError("x", errors))  # noqa: E731
+    assert decide({1: RuntimeError("the actor died unexpectedly")}) == FailureDecision.RETRY
+    assert decide({0: Preempted("preempted at step 12"), 1: Preempted("preempted at step 12")}) == FailureDecision.RETRY
+    assert decide({0: Diverged("training diverged at step 20"), 1: Diverged("x")}) == FailureDecision.RAISE
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ray-app: ")][0]
+    events = journal.read_events(LocalStorage(str(tmp_path)), "r")
+    assert [(e["kind"], e["launch"]) for e in events] == [("restart", "L1"), ("preemption", "L1"), ("diverged", "L1")]
+    restart, preemption, diverged = events
+    assert line == f"ray-app: {restart['cause']}; the worker group restarts from the newest committed checkpoint " \
+                   f"({restart['count']})"
+    assert restart["cause"] == "rank 1: RuntimeError: the actor died unexpectedly"
+    assert restart["count"] == "restart 1 of 3: failure.max_failures"
+    assert preemption["cause"] == "rank 0: Preempted: preempted at step 12"
+    assert diverged["cause"] == "training diverged at step 20"
+
+
+def test_the_driver_hands_the_policy_where_the_journal_is(monkeypatch, tmp_path):
+    from ray_app import driver
+    from ray_app.config import load_config
+
+    lean = driver.lean_trainer_class()
+    base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
+    seen = {}
+    monkeypatch.setattr(base, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw))
+    cfg = load_config(None, [f"run.storage={tmp_path}"])
+    trainer = driver.build_trainer(cfg, {"mode": "train"}, None, "r", str(tmp_path))
+    trainer.kit_policy_args = {"journal_of": (str(tmp_path), "r", "L2")}
+    trainer._initialize_and_run_controller(failure_policy=None)
+    assert seen["failure_policy"].journal_of == (str(tmp_path), "r", "L2")
