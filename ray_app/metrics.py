@@ -48,7 +48,7 @@ METRICS = {
     "ray_app_world_size": ("gauge", "Number of training workers."),
     "ray_app_resumed_from_step": ("gauge", "Global step this worker group resumed from (0 = fresh start)."),
     "ray_app_worker_group_starts_total": ("counter", "Worker-group starts in this rank-0 process (restarts show as resets plus resumed_from_step)."),
-    "ray_app_goodput_ratio": ("gauge", "Share of the run's wall time spent in productive training, over the whole run (earlier attempts and launches included; from the run journal)."),
+    "ray_app_goodput_ratio": ("gauge", "Share of the run's wall time in productive training, over the whole run (earlier attempts included)."),
     "ray_app_gpu_memory_allocated_bytes": ("gauge", "CUDA memory allocated by rank 0 (GPU runs only)."),
     "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
 }
