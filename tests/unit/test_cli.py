@@ -161,7 +161,7 @@ def test_readme_command_line_lists_every_command():
     for line in block.splitlines():
         words = line.split("#")[0].split()
         if words[:1] == ["ray-app"]:
-            documented |= {f"{words[1]} {a}" for a in words[2].split("|")} if words[1] in ("checkpoints", "config", "data") \
+            documented |= {f"{words[1]} {a}" for a in words[2].split("|")} if words[1] in ("checkpoints", "config", "data", "runs") \
                 else {words[1]}
     assert documented == _commands()
 
