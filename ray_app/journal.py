@@ -365,6 +365,9 @@ def when(unix: float) -> str:
 # ---------------------------------------------------------------- rank 0: the attempt's events and goodput
 
 
+GOODPUT_EVERY_S = 5.0  # how often rank 0 recomputes the run's goodput (at a logged step)
+
+
 class JournalSink:
     """Rank 0's share of the journal behind the loop's metrics sink: the attempt (at ``start``), its first
     step, each committed checkpoint with the seconds it blocked training, the end of the loop; and the
@@ -380,6 +383,8 @@ class JournalSink:
         if self.writer is not None:
             self.writer.context = {"launch": launch, "attempt": self.attempt}
         self.history: list[dict] | None = None  # the journal as it was when this attempt started
+        self._earlier: dict | None = None  # the parts of the launches before this one
+        self._goodput_at = float("-inf")
         self._first_done = False
         self._last_activity = clock()  # the last step or log: an evaluation runs from there to on_eval
         self.eval_seconds = 0.0
@@ -453,11 +458,20 @@ class JournalSink:
         return earlier + mine
 
     def update_goodput(self) -> float | None:
-        """The run's goodput so far (earlier attempts and launches included), given to ``goodput``."""
-        if self.goodput is None or self.history is None:
+        """The run's goodput so far (earlier attempts and launches included), given to ``goodput``; at most
+        every ``GOODPUT_EVERY_S``, and the launches before this one accounted once (their events are final)."""
+        now = self.clock()
+        if self.goodput is None or self.history is None or now - self._goodput_at < GOODPUT_EVERY_S:
             return None
+        self._goodput_at = now
         try:
-            ratio = account(self.events(), now=self.clock())["goodput_ratio"]
+            launches = _launches(self.events())
+            if self._earlier is None:
+                self._earlier = account([e for launch in launches[:-1] for e in launch])["parts"]
+            current = account(launches[-1] if launches else [], now=now)["parts"]
+            productive = self._earlier["productive"] + current["productive"]
+            wall = sum(self._earlier.values()) + sum(current.values())
+            ratio = round(productive / wall, 4) if wall > 0 else None
             if ratio is not None:
                 self.goodput.on_goodput(ratio)
             return ratio
