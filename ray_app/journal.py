@@ -311,7 +311,7 @@ def _kept_until(checkpoints: list[dict], next_attempt: list[dict], first: float,
 
 # ---------------------------------------------------------------- the timeline and a run's state
 
-STATES = {0: "finished", 1: "failed", 2: "refused", 130: "interrupted", 143: "stopped"}
+STATES = {0: "finished", 1: "failed", 2: "bad input", 130: "interrupted", 143: "stopped"}
 
 
 def state_of(last_end: dict | None, held: bool) -> str:
