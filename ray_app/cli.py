@@ -85,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("--out", required=True, metavar="FILE", help="where to write the state_dict (.pt)")
             a.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
 
+    u = sub.add_parser("runs", help="the runs under a storage and their state; a run's timeline and where its "
+                                    "wall time went (its journal)")
+    usub = u.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    for name, arg, help_text in (("list", "STORAGE", "each run under STORAGE: state, last step, last event, the "
+                                                     "driver holding it"),
+                                 ("show", "RUN_URI", "a run's timeline and its wall time split into productive "
+                                                     "training, start-up, restarts, recomputed steps, checkpoint "
+                                                     "blocking and evaluation")):
+        a = usub.add_parser(name, help=help_text)
+        a.add_argument("uri", metavar=arg)
+        a.add_argument("--json", action="store_true", help="machine-readable output")
+        a.add_argument("--storage-retry-s", type=float, default=RETRY_DEFAULT_S, metavar="SECONDS",
+                       help=f"how long an unreachable store is waited out (default {RETRY_DEFAULT_S:g}, as "
+                            "failure.storage_retry_s)")
+
     f = sub.add_parser("preflight", help="check config, storage and cluster; train nothing")
     _config_args(f)
 
@@ -246,6 +261,27 @@ def cmd_checkpoints(args) -> int:
     return EXIT_OK
 
 
+def cmd_runs(args) -> int:
+    """``runs list`` / ``runs show``: read-only (no lease taken), from the runs' journals and leases."""
+    from ray_app import runs
+
+    if args.action == "list":
+        rows = runs.list_runs(args.uri, args.storage_retry_s)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            for line in runs.list_lines(rows):
+                print(line)
+        return EXIT_OK
+    shown = runs.show_run(args.uri, args.storage_retry_s)
+    if args.json:
+        print(json.dumps(_json_safe(shown), indent=1))
+    else:
+        for line in runs.show_lines(shown):
+            print(line)
+    return EXIT_OK
+
+
 def _describe(storage, rel: str, name: str) -> dict:
     from ray_app import catalog
 
@@ -368,6 +404,7 @@ def _terminate(signum, frame):
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "checkpoints": cmd_checkpoints,
+            "runs": cmd_runs,
             "run": cmd_run, "config": cmd_config, "data": cmd_data, "sweep": cmd_sweep}
 
 

@@ -347,6 +347,8 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=launch_key)
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
+    if job.get("launch_id"):  # the failure policy writes each restart into the run journal
+        trainer.kit_policy_args = {"journal_of": (cfg.run.storage, run_name, job["launch_id"])}
     signals: list[int] = []
     logs = WorkerLogs()
     try:
@@ -408,8 +410,15 @@ def run_training(cfg: Config) -> dict:
         return done
     storage_path, fs = storage.ray_storage()
     with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:  # one writer per run, before Ray starts
-        # the workers commit a checkpoint only while the lease holds this driver's token
-        m = launch(cfg, {"mode": "train", "lease_token": lease.token}, cfg.run.name, storage_path, fs)
+        journal = open_journal(storage, cfg, lease)
+        try:
+            # the workers commit a checkpoint only while the lease holds this driver's token
+            m = launch(cfg, {"mode": "train", "lease_token": lease.token, "launch_id": journal.context["launch"]},
+                       cfg.run.name, storage_path, fs)
+        except BaseException as exc:
+            close_journal(journal, exc)
+            raise
+        close_journal(journal, None, m.get("global_step"))
     return {
         "run": cfg.run.name,
         "checkpoint": m.get("checkpoint"),
@@ -432,6 +441,39 @@ def run_training(cfg: Config) -> dict:
         "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
                      **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},
     }
+
+
+def open_journal(storage, cfg: Config, lease):
+    """This launch's writer of the run journal (``ray_app.journal``), its first events written: the launch
+    (from the driver's start) and a lease taken over. Storage outages this process waits out are events too."""
+    import socket
+
+    from ray_app import journal
+
+    w = journal.writer(storage, cfg.run.name, source=f"driver-{journal.default_source()}")
+    if w is None:  # never: the kit's stores are both journaled; a stand-in that records nothing
+        w = journal.JournalWriter(None, cfg.run.name)
+    w.context = {"launch": uuid.uuid4().hex[:12]}
+    w.record("launch", time=DRIVER_START_UNIX, mode="train", host=socket.gethostname(), pid=os.getpid(),
+             world_size=cfg.scaling.num_workers)
+    if lease.took_over:
+        w.record("lease_taken_over", **lease.took_over)
+    journal.record_outages(w)
+    return w
+
+
+def close_journal(journal, error: BaseException | None, global_step=None) -> None:
+    """The launch's end in the run journal, with the exit code the command ends with and its one line; then
+    what is queued is written (for at most 10 s: the process ends right after)."""
+    from ray_app import failures
+
+    if error is None:
+        code, line = failures.EXIT_OK, ""
+    else:
+        code = failures.exit_code(error)
+        code, line = (failures.EXIT_FAILED if code is None else code), failures.one_line(error)
+    journal.record("end", exit_code=code, line=line[:500], global_step=global_step)
+    journal.flush(10.0)
 
 
 def completed_run(cfg: Config, storage) -> dict | None:

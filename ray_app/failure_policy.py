@@ -6,20 +6,23 @@ error restarts once, and ends the run when the same error recurs at the same glo
 fault); everything else (a killed or lost worker, a hang, a lost peer, storage that did not answer within
 ``failure.storage_retry_s``) follows Ray Train's default policy: a restart from the newest checkpoint up
 to ``failure.max_failures``. Every restart is one line, here, where the decision is made, naming its
-cause; the workers do not log the errors this line names.
+cause; the workers do not log the errors this line names. Each restart, preemption and divergence is
+also an event of the run journal (``ray_app.journal``), with the cause as the line names it.
 """
 
 from __future__ import annotations
 
-from ray_app import failures, ray_seam
+from ray_app import failures, journal, ray_seam
+from ray_app.errors import Diverged, first_line
 
 DefaultFailurePolicy, FailureDecision, is_preemption_failure = ray_seam.failure_policy_base()
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
-    def __init__(self, failure_config):
+    def __init__(self, failure_config, journal_of: tuple[str, str, str] | None = None):
         super().__init__(failure_config)
         self.history = failures.FailureHistory()
+        self.journal_of = journal_of  # (run.storage, run.name, the launch's id): where its events go
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
@@ -27,13 +30,34 @@ class KitFailurePolicy(DefaultFailurePolicy):
             else None
         decision = self.history.decide(failed, controller)
         if decision.action == failures.STOP:
+            diverged = [e for e in failed.values() if isinstance(e, Diverged)]
+            if diverged:
+                self._journal("diverged", cause=first_line(diverged[0]))
             return FailureDecision.RAISE
         if decision.action == failures.RETRY_FREE:
+            self._journal("preemption", cause=failures.restart_cause(failed, controller))
             return FailureDecision.RETRY
         ray_decision = super().make_decision(training_failed_error)
         if ray_decision == FailureDecision.RETRY and decision.line:
-            print(failures.restart_line(decision.line, self._count(training_failed_error, controller)), flush=True)
+            count = self._count(training_failed_error, controller)
+            print(failures.restart_line(decision.line, count), flush=True)
+            self._journal("restart", cause=decision.line, count=count)
         return ray_decision
+
+    def _journal(self, kind: str, **fields) -> None:
+        """One event of the run journal, written before the next attempt starts (at most a few seconds)."""
+        if self.journal_of is None:
+            return
+        try:
+            from ray_app.storage import open_storage
+
+            uri, run, launch = self.journal_of
+            w = journal.writer(open_storage(uri), run, source="policy")
+            if w is not None:
+                w.record(kind, launch=launch, **fields)
+                w.flush(5.0)
+        except Exception:  # the journal never changes a decision
+            pass
 
     def _count(self, training_failed_error, controller) -> str:
         worker_group, controller_failures = ray_seam.restarts_so_far(self)

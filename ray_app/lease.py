@@ -262,6 +262,7 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost = False
+        self.took_over: dict | None = None  # whom this driver took the run over from, and why
 
     def _body(self) -> bytes:
         return json.dumps(self.record, sort_keys=True).encode()
@@ -296,7 +297,8 @@ class RunLease:
                     continue
                 why = ("its process is gone from this host" if gone else
                        f"not renewed for {idle:.0f} s (> run.lease_stale_s = {self.stale_s:g})")
-                self.say(f"ray-app: taking over run {self.where} from {describe(held, self.clock())}: {why}")
+                self.took_over = {"from": describe(held, self.clock()), "why": why}  # for the run journal
+                self.say(f"ray-app: taking over run {self.where} from {self.took_over['from']}: {why}")
                 return
         raise RunHeld(f"run {self.where}: another driver is taking its lease at the same time; try again")
 

@@ -48,6 +48,7 @@ METRICS = {
     "ray_app_world_size": ("gauge", "Number of training workers."),
     "ray_app_resumed_from_step": ("gauge", "Global step this worker group resumed from (0 = fresh start)."),
     "ray_app_worker_group_starts_total": ("counter", "Worker-group starts in this rank-0 process (restarts show as resets plus resumed_from_step)."),
+    "ray_app_goodput_ratio": ("gauge", "Share of the run's wall time in productive training, over the whole run (earlier attempts included)."),
     "ray_app_gpu_memory_allocated_bytes": ("gauge", "CUDA memory allocated by rank 0 (GPU runs only)."),
     "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
 }
@@ -141,6 +142,7 @@ class NullMetrics:
     def on_eval(self, values: Mapping[str, float]) -> None: ...
     def on_checkpoint(self, *, blocked_seconds) -> None: ...
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
+    def on_goodput(self, ratio: float) -> None: ...
     def checkpoint_state(self) -> dict:
         return {}
     def close(self) -> None: ...
@@ -190,6 +192,7 @@ class PrometheusMetrics(NullMetrics):
         self.world_size = g("ray_app_world_size")
         self.resumed_from = g("ray_app_resumed_from_step")
         self.group_starts = Counter("ray_app_worker_group_starts", h["ray_app_worker_group_starts_total"], registry=reg)
+        self.goodput = g("ray_app_goodput_ratio")
         self.gpu_alloc = g("ray_app_gpu_memory_allocated_bytes")
         self.gpu_max = g("ray_app_gpu_memory_max_allocated_bytes")
 
@@ -275,6 +278,11 @@ class PrometheusMetrics(NullMetrics):
     def on_gpu_memory(self, *, allocated, max_allocated) -> None:
         self.gpu_alloc.set(allocated)
         self.gpu_max.set(max_allocated)
+
+    def on_goodput(self, ratio: float) -> None:
+        """The run's goodput so far (``ray_app.journal.account``), set by rank 0's journal."""
+        self.goodput.set(ratio)
+        self.updated_at = time.monotonic()
 
     def final_scrape(self) -> bool:
         """Wait, if someone watches this exporter, until a scrape read the last update (at most

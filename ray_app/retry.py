@@ -49,6 +49,23 @@ def transient(exc: BaseException) -> bool:
     return False
 
 
+_WAITED_OUT: list = []  # called with (where, what, seconds) each time an outage is waited out
+
+
+def on_waited_out(listener) -> None:
+    """Call ``listener(where, what, seconds)`` whenever this process waits an outage out (the run journal
+    records it); a listener that raises is ignored."""
+    _WAITED_OUT.append(listener)
+
+
+def _tell_waited_out(where: str, what: str, seconds: float) -> None:
+    for listener in list(_WAITED_OUT):
+        try:
+            listener(where, what, seconds)
+        except Exception:
+            pass
+
+
 class Retrying:
     """Runs a storage operation again, with exponential backoff and jitter, while it fails with a
     transient error, for at most ``budget_s`` seconds from its first failure; then StorageUnavailable.
@@ -84,6 +101,7 @@ class Retrying:
                 continue
             if first is not None:
                 self.say(f"ray-app: storage {self.where} answers again after {self.clock() - first:.1f} s ({what})")
+                _tell_waited_out(self.where, what, self.clock() - first)
             return out
 
 

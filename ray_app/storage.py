@@ -92,6 +92,17 @@ class LocalStorage:
                                    "resumes from its newest committed checkpoint") from None
             raise
 
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """A small object, written whole (a file of its own renamed into place: no reader sees it half-written)."""
+        dst = self._p(rel)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def ray_storage(self):
         """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
         return str(self.root), None
@@ -238,6 +249,11 @@ class S3Storage:
     def upload_file(self, local: str, rel: str) -> None:
         # one object per call: a retry re-sends the whole file (a multipart upload restarts cleanly)
         self._retry(f"upload of {rel}", self.client.upload_file, local, self.settings.bucket, self._key(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """A small object, written whole (one PUT)."""
+        self._retry(f"writing {rel}", lambda: self.client.put_object(
+            Bucket=self.settings.bucket, Key=self._key(rel), Body=data))
 
     def pyarrow_fs(self):
         """The filesystem Ray Train writes its own files with (``ray_app.s3fs.pyarrow_s3``)."""

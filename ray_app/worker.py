@@ -120,7 +120,7 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
     from ray_app.loop import Trainer
     from ray_app.metrics import NullMetrics, PrometheusMetrics
     from ray_app.parts import build_parts
-    from ray_app.tracking import rank0_sink
+    from ray_app.tracking import FanOutSink, rank0_sink
 
     checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
                                 every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
@@ -132,14 +132,46 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
 
         checkpointer.before_commit = fence(runtime.storage, cfg.run.name, job["lease_token"])
     metrics = NullMetrics()
-    if runtime.rank == 0:  # Prometheus and the trackers (MLflow, TensorBoard) behind one sink
-        metrics = rank0_sink(cfg, runtime.storage, job.get("tracking_key", cfg.run.name),
-                             prometheus=PrometheusMetrics(cfg.metrics.port) if cfg.metrics.enabled else None)
-        checkpointer.on_commit = getattr(metrics, "on_checkpoint_committed", None)
+    hosts = gather_hosts(runtime.world_size)  # sync point: every rank, once per attempt (the journal's)
+    if runtime.rank == 0:  # Prometheus, the trackers (MLflow, TensorBoard) and the run journal behind one sink
+        prometheus = PrometheusMetrics(cfg.metrics.port) if cfg.metrics.enabled else None
+        metrics = FanOutSink([rank0_sink(cfg, runtime.storage, job.get("tracking_key", cfg.run.name),
+                                         prometheus=prometheus),
+                              journal_sink(cfg, runtime.storage, job, hosts, prometheus)])
+        checkpointer.on_commit = metrics.on_checkpoint_committed
     parts = build_parts(cfg, runtime)
     stats.mark("model_ready_unix")
     trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats, preemption_agreement(cfg))
     return trainer.fit(), trainer
+
+
+def gather_hosts(world_size: int) -> list[str]:
+    """Every rank's host name, in rank order (one ``all_gather_object``; every rank calls it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    host = socket.gethostname()
+    if world_size <= 1 or not dist.is_initialized():
+        return [host]
+    hosts: list = [None] * world_size
+    dist.all_gather_object(hosts, host)
+    return [str(h) for h in hosts]
+
+
+def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus):
+    """Rank 0's share of the run journal (``ray_app.journal``): this attempt, its first step, its checkpoints,
+    the outages it waits out; and ``ray_app_goodput_ratio`` on ``prometheus`` when metrics are on."""
+    import os
+    import socket
+
+    from ray_app import journal
+
+    w = journal.writer(storage, cfg.run.name, source=f"rank0-{socket.gethostname()}-{os.getpid()}")
+    if w is not None:
+        journal.record_outages(w)
+    return journal.JournalSink(w, storage, cfg.run.name, launch=job.get("launch_id", ""), hosts=hosts,
+                               goodput=prometheus)
 
 
 def preemption_agreement(cfg: Config):

@@ -335,9 +335,11 @@ def run_chaos(n: int, seed: int, kinds: list[str], storage: Path) -> dict:
     print(f"chaos: reference run done in {reference_s:.0f}s", flush=True)
     reference = final_model(summary_of(ref.text))
     run = Run(train_args(storage, "chaos", epochs, max_failures))
+    run_seconds = None
     try:
         problems = chaos_run(run, faults, total_steps)
         rc = None if problems else run.wait(timeout=RECOVERY_TIMEOUT_S + 300)
+        run_seconds = round(time.monotonic() - run.t0, 2)  # the driver's whole life, as the journal counts it
     except subprocess.TimeoutExpired:
         problems, rc = ["the chaos run did not end after its last fault"], None
     finally:
@@ -352,8 +354,19 @@ def run_chaos(n: int, seed: int, kinds: list[str], storage: Path) -> dict:
         if fault.steps_lost is not None:
             problems += fault_problems(fault, number)
     return {**report, "exit_code": rc, "bit_identical": identical, "chaos_seconds": round(time.monotonic() - run.t0, 1),
+            "run_seconds": run_seconds, "journal": runs_show(storage / "chaos"),
             "per_fault": [{k: v for k, v in asdict(f).items() if k != "signalled_at"} for f in faults],
             "per_kind": per_kind(faults), "problems": problems}
+
+
+def runs_show(run_uri: Path) -> dict | None:
+    """``ray-app runs show RUN_URI --json``: the run's journal, its timeline and wall time split (None if it fails)."""
+    proc = subprocess.run([sys.executable, "-m", "ray_app", "runs", "show", str(run_uri), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        print(f"chaos: runs show exited {proc.returncode}: {proc.stderr[-2000:]}")
+        return None
+    return json.loads(proc.stdout)
 
 
 def print_report(report: dict) -> None:

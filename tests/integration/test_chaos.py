@@ -8,6 +8,8 @@ every kind; ``make chaos`` the same driver (``tests.integration.chaos``) by hand
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.integration.chaos import EVERY_STEPS, SIGNALS, WORLD_SIZE, plan, print_report, run_chaos
@@ -42,6 +44,29 @@ def check(report: dict, kinds: list[str]) -> None:
             assert f["steps_lost"] == 0 and f["resumed_from_step"] == f["preempted_at_step"], f
         else:
             assert 0 <= f["steps_lost"] <= EVERY_STEPS, f
+    check_journal(report, faults)
+
+
+def check_journal(report: dict, faults: list[dict]) -> None:
+    """``ray-app runs show``: each fault on the timeline with its cause, in order (a kill or a hang a restart
+    naming the rank that failed, a SIGTERM a preemption), and the wall time's parts sum to the run's."""
+    shown = report["journal"]
+    assert shown is not None, "ray-app runs show failed"
+    assert shown["state"] == "finished" and shown["last_step"] == report["total_steps"], shown["state"]
+    cuts = [e for e in shown["events"] if e["kind"] in ("restart", "preemption")]
+    assert [e["kind"] for e in cuts] == ["preemption" if f["kind"] == "term" else "restart" for f in faults], cuts
+    for e in cuts:
+        assert e["cause"] and "\n" not in e["cause"], e
+    assert all("Preempted" in e["cause"] for e in cuts if e["kind"] == "preemption"), cuts
+    assert all(re.search(r"rank \d", e["cause"]) for e in cuts if e["kind"] == "restart"), cuts
+    ends = [e for e in shown["events"] if e["kind"] == "end"]
+    assert len(ends) == 1 and ends[0]["exit_code"] == 0, ends
+    assert len([e for e in shown["events"] if e["kind"] == "attempt"]) == len(faults) + 1
+    parts, wall = shown["parts"], shown["wall_seconds"]
+    print(f"chaos: journal: wall {wall:.1f} s (the driver ran {report['run_seconds']} s): "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()) + f"; goodput {shown['goodput_ratio']}")
+    assert abs(sum(parts.values()) - wall) <= 0.01 and abs(wall - report["run_seconds"]) <= 0.02 * wall, (wall, report)
+    assert parts["restarts"] > 0 and parts["productive"] > 0 and parts["checkpoint_blocked"] > 0, parts
 
 
 def test_a_kill_and_a_preemption_in_one_run_end_on_the_uninterrupted_runs_parameters(tmp_path):

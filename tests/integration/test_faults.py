@@ -11,9 +11,12 @@ notice) is test_chaos.py's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -111,3 +114,10 @@ def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_lo
     summary = summary_of(again.text)
     assert summary["resumed_from_step"] == step and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert_bit_identical(final_model(summary), reference)
+    # the journal: two launches, the first ended by the stop (143, its line), the second resumed at its step
+    shown = json.loads(subprocess.run([sys.executable, "-m", "ray_app", "runs", "show", str(tmp_path / "stop"),
+                                       "--json"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    ends = [(e["exit_code"], e["line"].split(";")[0]) for e in shown["events"] if e["kind"] == "end"]
+    assert ends == [(143, f"ray-app: stopped at step {step}"), (0, "")], ends
+    attempts = [e["resumed_from_step"] for e in shown["events"] if e["kind"] == "attempt"]
+    assert attempts == [0, step] and shown["state"] == "finished", attempts

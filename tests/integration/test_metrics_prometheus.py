@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from ray_app import journal
 from ray_app.catalog import newest_verified
 from ray_app.storage import LocalStorage
 from tests.support.ports import free_port
@@ -258,6 +259,15 @@ def test_killed_rank0_comes_back_and_reports_resumed_step(stack):
           f"{time.monotonic() - t_kill:.1f}s, resumed from step {resumed:.0f}")
     assert resumed == committed, f"resumed from step {resumed}, newest committed checkpoint at the kill: {committed}"
     wait_for("training to continue after the restart", lambda: (prom.scalar("ray_app_global_step") or 0) > resumed, 120)
+    # the new rank 0's goodput is the whole run's: its journal holds the first attempt and the restart
+    goodput = wait_for("the run's goodput from the new rank 0", lambda: prom.scalar("ray_app_goodput_ratio"), 120,
+                       on_timeout=run.tail)
+    events = journal.read_events(LocalStorage(str(run.storage)), RUN)
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("attempt") == 2 and kinds.count("restart") == 1, kinds
+    whole = journal.account(events, now=time.time())
+    assert 0 < goodput < 1 and whole["parts"]["restarts"] > 0, (goodput, whole)
+    print(f"goodput after the restart: {goodput:.3f} scraped, {whole['goodput_ratio']:.3f} from the journal now")
     def firing():
         return {a["labels"]["alertname"] for a in prom.get("/api/v1/alerts")["alerts"] if a["state"] == "firing"}
     wait_for("the RayAppWorkerGroupResumed alert", lambda: "RayAppWorkerGroupResumed" in firing(), 60,

@@ -153,6 +153,20 @@ def test_stopped_run_resubmitted_resumes_bit_identical_from_epoch_checkpoint(s3,
     assert summary["resumed_from_step"] == max(steps_before)
     assert_bit_identical(model_state(s3, summary["checkpoint"]), reference)
 
+    # the run journal on S3 tells the two launches apart: the killed one has no end, the second took its lease over
+    rc, out, err = ray_app(["runs", "show", f"{storage}/{run}", "--json"], s3.env())
+    assert rc == 0, err
+    shown = json.loads(out)
+    kinds = [e["kind"] for e in shown["events"]]
+    assert kinds.count("launch") == 2 and kinds.count("end") == 1 and kinds[-1] == "end", kinds
+    taken = [e for e in shown["events"] if e["kind"] == "lease_taken_over"]
+    assert len(taken) == 1 and "gone from this host" in taken[0]["why"] and f"pid {proc.pid}" in taken[0]["from"], taken
+    assert shown["state"] == "finished" and sum(shown["parts"].values()) == pytest.approx(shown["wall_seconds"], abs=0.01)
+    rc, out, err = ray_app(["runs", "list", storage, "--json"], s3.env())
+    assert rc == 0, err
+    assert [(r["run"], r["state"], r["last_step"], r["holder"]) for r in json.loads(out)] == \
+        [(run, "finished", summary["global_step"], "")]
+
 
 # ---------------------------------------------------------------- broken checkpoints
 

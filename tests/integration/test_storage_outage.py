@@ -74,11 +74,22 @@ def verify_all(s3, run: str) -> list[dict]:
     return json.loads(out)
 
 
+def runs_show(s3, run: str) -> dict:
+    """``ray-app runs show --json`` of a run on S3: its journal's timeline and wall time split."""
+    rc, out, err = ray_app(["runs", "show", f"s3://{s3.bucket}/{run}/{run}", "--json"], s3.env(), timeout=120)
+    assert rc == 0, err
+    return json.loads(out)
+
+
 def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
+    """And the run journal on S3 after the run: ``runs show`` names the outage waited out, the upload it
+    held and for how long; the wall time's parts sum to the run's wall time."""
     run = "blip"
     proxy.arm(MODEL_PUT, 25, nth=2)  # the second checkpoint's upload
+    t0 = time.monotonic()
     rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
                             *WORKLOAD], s3.env(endpoint=proxy.endpoint))
+    wall = time.monotonic() - t0
     text = out + err
     assert rc == 0, text[-4000:]
     assert len(proxy.outages) == 1, "the outage never started: no checkpoint upload matched"
@@ -96,6 +107,22 @@ def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
     assert [r["global_step"] for r in rows] == list(range(8, EPOCHS * STEPS_PER_EPOCH + 1, 8)), rows
     for secret in s3.admin:
         assert secret not in text
+
+    assert s3.snapshot(f"{run}/{run}/events/"), "the run journal is not on S3"
+    shown = runs_show(s3, run)
+    assert shown["state"] == "finished" and shown["last_step"] == EPOCHS * STEPS_PER_EPOCH, shown["state"]
+    outages = [e for e in shown["events"] if e["kind"] == "outage"]
+    assert any(re.search(r"upload of \S+/model\.pt", e["during"]) and 20 <= e["seconds"] <= 120 and
+               e["where"].startswith(f"s3://{s3.bucket}") for e in outages), outages
+    kinds = [e["kind"] for e in shown["events"]]
+    assert "restart" not in kinds and kinds.count("attempt") == 1 and kinds[-1] == "end", kinds
+    ckpts = [e for e in shown["events"] if e["kind"] == "checkpoint"]
+    assert [e["global_step"] for e in ckpts] == list(range(8, EPOCHS * STEPS_PER_EPOCH + 1, 8)), ckpts
+    assert max(e["blocked_seconds"] for e in ckpts) >= 20  # the upload that waited the outage out blocked training
+    parts = shown["parts"]
+    assert abs(sum(parts.values()) - shown["wall_seconds"]) <= 0.01 and \
+        abs(shown["wall_seconds"] - wall) <= 0.02 * wall, (shown["wall_seconds"], wall, parts)
+    assert parts["checkpoint_blocked"] >= 20, parts
 
 
 def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_checkpoint(s3, proxy):
@@ -132,6 +159,12 @@ def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_che
     committed = [r for r in rows if r["name"] != partial[0]]
     assert committed and all(r["verified"] for r in committed), rows
     assert [r["global_step"] for r in committed] == list(range(8, EPOCHS * STEPS_PER_EPOCH + 1, 8))
+    shown = runs_show(s3, run)  # the journal names each restart's cause as its line did
+    causes = [(e["cause"], e["count"]) for e in shown["events"] if e["kind"] == "restart"]
+    assert [c for _, c in causes] == [f"restart {i} of 10: failure.max_failures" for i in range(1, len(restarts) + 1)]
+    assert all(re.match(r"storage s3://\S+ at \S+: no answer for \d+ s during ", c) for c, _ in causes), causes
+    assert sum(shown["parts"].values()) == pytest.approx(shown["wall_seconds"], abs=0.01)
+    assert shown["parts"]["restarts"] > 0 and shown["parts"]["recomputed"] > 0, shown["parts"]
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,12 @@ def test_a_diverging_run_ends_with_one_line_and_exit_1(run_cli, tmp_path, port_p
     committed = [m.parent for m in (tmp_path / "diverge").glob("ckpt-s*/manifest.json")]
     assert len(committed) == 1 and f"newest good checkpoint: {committed[0]}" in last, (committed, last)
     assert int(committed[0].name.removeprefix("ckpt-s").split("-")[0]) < diverged_at, (committed, last)
+    rc, out, err = run_cli(["runs", "show", str(tmp_path / "diverge"), "--json"], env=LOCAL_ENV, timeout=60)
+    assert rc == 0, err
+    events = json.loads(out)["events"]
+    diverged = [e for e in events if e["kind"] == "diverged"]
+    assert len(diverged) == 1 and diverged[0]["cause"].startswith(f"training diverged at step {diverged_at}"), diverged
+    assert (events[-1]["kind"], events[-1]["exit_code"], events[-1]["line"]) == ("end", 1, last), events[-1]
 
 
 @pytest.mark.timeout(180)

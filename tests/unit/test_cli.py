@@ -161,7 +161,7 @@ def test_readme_command_line_lists_every_command():
     for line in block.splitlines():
         words = line.split("#")[0].split()
         if words[:1] == ["ray-app"]:
-            documented |= {f"{words[1]} {a}" for a in words[2].split("|")} if words[1] in ("checkpoints", "config", "data") \
+            documented |= {f"{words[1]} {a}" for a in words[2].split("|")} if words[1] in ("checkpoints", "config", "data", "runs") \
                 else {words[1]}
     assert documented == _commands()
 
@@ -313,12 +313,15 @@ S3_COMMANDS = {
     "verify": ["checkpoints", "verify", "s3://bucket-x/runs/r1"],
     "export": ["checkpoints", "export", "s3://bucket-x/runs/r1", "--out", "{tmp}/m.pt"],
     "eval": ["eval", "--checkpoint", "s3://bucket-x/runs/r1"],
+    "runs-list": ["runs", "list", "s3://bucket-x/runs"],
+    "runs-show": ["runs", "show", "s3://bucket-x/runs/r1"],
 }
 
 
 # an unreachable store is waited out for the budget (failure.storage_retry_s; 120 s by default), as in training
 BUDGET = {"list": ["--storage-retry-s", "2"], "verify": ["--storage-retry-s", "2"],
-          "export": ["--storage-retry-s", "2"], "eval": ["--set", "failure.storage_retry_s=2"]}
+          "export": ["--storage-retry-s", "2"], "eval": ["--set", "failure.storage_retry_s=2"],
+          "runs-list": ["--storage-retry-s", "2"], "runs-show": ["--storage-retry-s", "2"]}
 
 
 def waited_then_one_error_line(stderr: str) -> str:
