@@ -1,8 +1,10 @@
 """examples/: users' projects of their own, run from their folders with the ``ray-app`` console script.
 
-- char_lm (a small GPT on CPython's help text, task language_model) trains to an eval loss below
-  EVAL_LOSS_BOUND and reports its perplexity (the formula: tests/unit/test_plugins.py; an exact resume
-  mid-epoch: tests/integration/test_faults.py).
+- char_lm (a small GPT on CPython's help text, task language_model), sharded with FSDP by its transformer
+  blocks (``--set train.strategy=fsdp``; its tied embedding stays in the root unit), trains to an eval loss
+  below EVAL_LOSS_BOUND and reports its perplexity (the formula: tests/unit/test_plugins.py; an exact resume
+  mid-epoch: tests/integration/test_faults.py); `ray-app eval` of its checkpoint under DDP at 1 worker
+  gives the training's own eval loss exactly.
 - regression (an MLP on scikit-learn's diabetes data, task regression) reaches EVAL_MSE_BOUND.
 """
 
@@ -30,10 +32,13 @@ def ray_app(args: list[str], cwd: Path, timeout: float = 900) -> dict:
 
 def test_char_lm_learns_the_text(tmp_path):
     full = ray_app(["train", "--config", "char_lm.yaml", "--set", f"run.storage={tmp_path}",
-                    "--set", "metrics.enabled=false"], EXAMPLES / "char_lm")
+                    "--set", "metrics.enabled=false", "--set", "train.strategy=fsdp"], EXAMPLES / "char_lm")
     assert full["eval_loss"] < EVAL_LOSS_BOUND, full
     assert 1 < full["eval_perplexity"] < 2.718281828459045 ** EVAL_LOSS_BOUND, full
     assert full["num_eval_samples"] > 0 and full["epochs"] == 4
+    evaluated = ray_app(["eval", "--checkpoint", full["checkpoint"], "--set", "scaling.num_workers=1",
+                         "--set", "train.strategy=ddp"], EXAMPLES / "char_lm")
+    assert evaluated["eval_loss"] == full["eval_loss"] and evaluated["world_size"] == 1, evaluated
 
 
 def test_regression_reaches_the_stated_mse(tmp_path):
