@@ -1,17 +1,16 @@
 """What a checkpoint holds, and how it is written, verified, chosen and loaded.
 
-Layout of one checkpoint, ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``::
+The loop's checkpoints are written by every rank (``ray_app.sharded``: format ``ray_app.checkpoint/2``,
+DCP), under ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``: the model and optimizer state keyed by
+parameter name (``model/``, ``optim/``), each rank's RNG, the LR schedule, ``state.json`` (position in
+training), ``config.json``, ``metrics.json``, and ``manifest.json`` written last, once every rank's share is
+uploaded. The earlier single-file format (``ray_app.checkpoint/1``: rank 0's ``model.pt``, ``optimizer.pt``,
+``scheduler.pt``, ``rng/rank_{r}.pt``, the JSON files; ``write_checkpoint_dir``) still loads, under either
+strategy. Older checkpoints also hold ``scaler.pt`` (a GradScaler that was never enabled), verified and not
+loaded.
 
-    model.pt  optimizer.pt  scheduler.pt          (torch.save of plain state dicts)
-    rng/rank_{r}.pt                               (each rank's torch/numpy/python RNG)
-    state.json  config.json  metrics.json         (position in training, the config, metrics)
-    manifest.json                                 (sha256 + size of every file above; uploaded last)
-
-Older checkpoints also hold ``scaler.pt`` (the state of a GradScaler that was never enabled: bf16
-autocast needs no loss scaling); it is verified with the rest and not loaded.
-
-A checkpoint whose manifest is missing or does not match is never loaded.
-Loading uses ``torch.load(..., weights_only=True)`` only.
+A checkpoint whose manifest is missing or does not match is never loaded; every file is checked against
+its sha256 as it is read. Loading uses ``torch.load(..., weights_only=True)`` only.
 
 A ``ray-app run`` script's checkpoints (``ray_app.script.save``) live the same way under their run: one
 ``state.pt`` and a manifest of format ``SCRIPT_FORMAT``; the loop never loads them, nor the script the loop's.

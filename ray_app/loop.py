@@ -14,8 +14,11 @@ links here, and the code marks each as ``practice N``):
    (one ``all_reduce`` of O(metrics) numbers), so each mean equals a single-process
    evaluation exactly; only a task that needs every value (``summarize_rows``) has
    them gathered (``all_gather``) by the sampler's indices;
-6. rank 0 alone logs progress, writes checkpoints and serves metrics (every rank prints one
-   line at the start: its host and device).
+6. rank 0 alone logs progress, commits checkpoints and serves metrics (every rank writes its
+   share of a checkpoint, and prints one line at the start: its host and device).
+
+The model is DDP-wrapped or, with ``train.strategy: fsdp``, sharded with FSDP2 (``ray_app.strategy``): the
+practices hold under both (practice 1 on the unsharded parameters, practice 3's skip with FSDP's own switch).
 
 What a batch means, the loss and the metrics come from the task (``ray_app.tasks``);
 the data, model and task are built by :func:`build_parts` from the config's plug-ins.
