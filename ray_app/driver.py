@@ -341,11 +341,18 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
 
     from ray_app.preemption import stop_on_sigterm
 
+    from ray_app.hang import HangReports, launch_stamp
+
     launch_key = uuid.uuid4().hex
     results = ResultSlot(launch_key)
     # tracking_key: the same for every worker-group restart of this launch (its MLflow run, before a checkpoint has its id)
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=launch_key)
+    if job["mode"] == "train":  # hang reports: {run}/reports/{launch}-attempt-{n}/ (ray_app.hang)
+        job.update(launch=launch_stamp(), attempt_key=f"ray_app:attempt:{launch_key}")
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
+    if job["mode"] == "train":  # the failure policy reads them before a restart and says who did not arrive
+        trainer.failure_policy_kwargs = {"hang_reports": HangReports(cfg.run.storage, run_name, job["launch"],
+                                                                     retry_s=min(cfg.failure.storage_retry_s, 5.0))}
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     signals: list[int] = []
     logs = WorkerLogs()

@@ -17,11 +17,16 @@ DefaultFailurePolicy, FailureDecision, is_preemption_failure = ray_seam.failure_
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
-    def __init__(self, failure_config):
+    def __init__(self, failure_config, hang_reports=None):
         super().__init__(failure_config)
         self.history = failures.FailureHistory()
+        self.hang_reports = hang_reports  # ray_app.hang.HangReports: the ranks' reports of a hang, if any
 
     def make_decision(self, training_failed_error) -> FailureDecision:
+        if self.hang_reports is not None:  # before the restart's line: who did not arrive, where the stacks are
+            hang_line = self.hang_reports.line()
+            if hang_line:
+                print(f"ray-app: {hang_line}", flush=True)
         failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
         controller = training_failed_error if not failed and hasattr(training_failed_error, "controller_failure") \
             else None

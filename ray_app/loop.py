@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ray_app import __version__
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state
+from ray_app.collectives import entered
 from ray_app.config import Config
 from ray_app.ddp import to_device
 from ray_app.errors import Preempted, Stopped
@@ -204,7 +205,8 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 loss, n = self.loss_contract(self.task.loss(self.model, batch), batch)
             # a non-finite loss on any rank: NaN gradients on every rank (ray_app.guards)
-            self.nonfinite.mask(loss, loss / group_size).backward()
+            with entered("gradient all-reduce (backward)", self.pos.global_step + 1) if sync else contextlib.nullcontext():
+                self.nonfinite.mask(loss, loss / group_size).backward()
         return loss, n
 
     def _optimizer_step(self) -> None:
@@ -258,7 +260,8 @@ class Trainer:
             return
         gathered = [None] * self.world_size
         # sync point: each rank's RNG goes to rank 0, and rank 0's name for the checkpoint to every rank
-        dist.all_gather_object(gathered, (capture_rng_state(), self.ckpt.new_name(self.pos.global_step)))
+        with entered("checkpoint (all_gather_object)"):
+            dist.all_gather_object(gathered, (capture_rng_state(), self.ckpt.new_name(self.pos.global_step)))
         rng_all = [rng for rng, _ in gathered]
         name = gathered[0][1]  # the writer's: every rank reports the directory that will exist
         metrics = dict(self._metrics_dict(), **(metrics or {}))
