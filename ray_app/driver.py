@@ -339,9 +339,8 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     import ray
     from ray.train import TrainingFailedError
 
-    from ray_app.preemption import stop_on_sigterm
-
     from ray_app.hang import HangReports, launch_stamp
+    from ray_app.preemption import stop_on_sigterm
 
     launch_key = uuid.uuid4().hex
     results = ResultSlot(launch_key)
