@@ -2,8 +2,8 @@
 
 All ranks enter the same collectives in the same order, so after a hang the ranks' counters line up: the
 ranks inside collective #K wait for the ranks whose counter stopped short of K (``ray_app.hang`` reads them
-and names those ranks). Counting costs one tuple assignment and a clock read per collective, no I/O and no
-lock: the state is one tuple, replaced whole, so the watchdog thread that reads it never sees half an
+and names those ranks). Counting costs one small object and a clock read per collective, no I/O and no lock:
+the state is one frozen object, replaced whole, so the watchdog thread that reads it never sees half an
 update.
 
 The kit marks each of its sync points: the loop's gradient all-reduce in backward (counted once per
@@ -14,6 +14,7 @@ the preemption flag, the checkpoint's gather and Ray Train's report barrier.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class Position:
     step: int = 0  # the global step then (the step being trained, during its backward)
     inside: bool = False  # still in it
     since: float = 0.0  # time.monotonic() when it entered or left it
+    thread: int = 0  # the thread that entered it (Ray Train runs the train function on a thread of its own)
 
     def as_dict(self) -> dict:
         return {"seq": self.seq, "name": self.name, "step": self.step, "inside": self.inside}
@@ -44,11 +46,12 @@ class CollectiveCounter:
 
     def enter(self, name: str, step: int | None = None) -> None:
         p = self.position
-        self.position = Position(p.seq + 1, name, p.step if step is None else step, True, time.monotonic())
+        self.position = Position(p.seq + 1, name, p.step if step is None else step, True, time.monotonic(),
+                                 threading.get_ident())
 
     def leave(self) -> None:
         p = self.position
-        self.position = Position(p.seq, p.name, p.step, False, time.monotonic())
+        self.position = Position(p.seq, p.name, p.step, False, time.monotonic(), p.thread)
 
     @contextlib.contextmanager
     def entered(self, name: str, step: int | None = None):

@@ -2,7 +2,7 @@
 
 Worker side: ``start_watchdog`` (every rank, each worker-group start) learns every rank's host and the
 attempt's number, then watches this rank's collective counter (``ray_app.collectives``) on a thread.
-When the main thread has been inside the same collective for ``fire_after(failure.hang_timeout_s)``
+When the training thread has been inside the same collective for ``fire_after(failure.hang_timeout_s)``
 (a little before the collective's own timeout and Ray Train's health check end the group), the
 thread writes this rank's report through the kit's storage (a local folder or S3):
 
@@ -64,15 +64,16 @@ def launch_stamp(unix: float | None = None) -> str:
 
 # ---------------------------------------------------------------- a rank's report
 
-def stacks_text(frames: dict | None = None) -> str:
-    """The Python stack of every thread of this process, each headed by its name, the main thread first."""
-    frames = sys._current_frames() if frames is None else frames
+def stacks_text(first: int | None = None) -> str:
+    """The Python stack of every thread of this process, each headed by its name: first the thread
+    ``first`` (the one that entered the latest collective), then the main thread, then the rest."""
+    frames = sys._current_frames()
     names = {t.ident: (t.name, t.daemon) for t in threading.enumerate()}
     main = threading.main_thread().ident
     parts = []
-    for ident in sorted(frames, key=lambda i: (i != main, i)):
+    for ident in sorted(frames, key=lambda i: (i != first, i != main, i)):
         name, daemon = names.get(ident, (f"thread {ident}", None))
-        head = f'Thread "{name}" (id {ident}{", daemon" if daemon else ""})'
+        head = f'Thread "{name}" (id {ident}{", daemon" if daemon else ""}{", entered the collective" if ident == first else ""})'
         parts.append(head + ":\n" + "".join(traceback.format_stack(frames[ident])))
     return "\n".join(parts)
 
@@ -186,7 +187,7 @@ def report_now(counter: CollectiveCounter, rank: int, world_size: int, hosts: li
     """This rank's report: its counter now and the stacks of all its threads."""
     p = counter.position
     return RankReport(rank=rank, world_size=world_size, hosts=list(hosts), seq=p.seq, name=p.name, step=p.step,
-                      inside=p.inside, waited_s=round(clock() - p.since, 3), why=why, stacks=stacks_text())
+                      inside=p.inside, waited_s=round(clock() - p.since, 3), why=why, stacks=stacks_text(p.thread))
 
 
 def group_start(rank: int, attempt_key: bytes | None) -> tuple[list[str], int]:

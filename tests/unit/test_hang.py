@@ -135,6 +135,7 @@ def test_counting_a_collective_costs_microseconds_and_no_io():
     per = (time.perf_counter() - t0) / n
     print(f"\n[hang] counting one collective: {per * 1e6:.2f} us")
     assert counter.position.seq == n and counter.position.step == n - 1 and not counter.position.inside
+    assert counter.position.thread == threading.get_ident()
     assert per < 50e-6  # a DDP step of the smallest model takes milliseconds
 
 
@@ -161,7 +162,8 @@ def test_a_stopped_rank_and_a_stuck_one_are_named_and_the_waiting_ranks_stacks_a
     # the waiting rank wrote a little before the collective's timeout, from inside it
     assert (waiting.rank, waiting.seq, waiting.name, waiting.step, waiting.inside) == (0, 3, "global loss (all_reduce)", 57, True)
     assert hang.fire_after(HANG_TIMEOUT_S) <= waiting.waited_s < HANG_TIMEOUT_S, waiting.waited_s
-    assert "in global_sum_and_count" in waiting.stacks and 'Thread "MainThread"' in waiting.stacks
+    assert waiting.stacks.startswith('Thread "MainThread" (id ') and ", entered the collective)" in waiting.stacks
+    assert "in global_sum_and_count" in waiting.stacks
     assert 'Thread "ray-app-hang-watchdog"' in waiting.stacks  # every thread, the watchdog's own included
     # the stuck rank wrote too, once the other's report was there: its stack shows where it is
     assert (stuck.rank, stuck.seq, stuck.inside) == (2, 2, False)
@@ -241,12 +243,14 @@ def test_stacks_cover_every_thread_with_its_name():
     t = threading.Thread(target=waiting_for_the_release, name="a-waiting-thread")
     t.start()
     try:
-        text = hang.stacks_text()
+        text = hang.stacks_text(first=t.ident)
     finally:
         release.set()
         t.join()
-    assert text.startswith('Thread "MainThread"') and 'Thread "a-waiting-thread"' in text
-    assert "in waiting_for_the_release" in text and "in test_stacks_cover_every_thread_with_its_name" in text
+    # the thread that entered the collective first, then the main thread
+    assert text.startswith(f'Thread "a-waiting-thread" (id {t.ident}, entered the collective):')
+    assert text.index("in waiting_for_the_release") < text.index('Thread "MainThread"') < \
+        text.index("in test_stacks_cover_every_thread_with_its_name")
 
 
 def test_the_failure_policy_says_the_newest_attempts_verdict_once_before_the_restart(tmp_path, capsys):
