@@ -274,3 +274,23 @@ def test_the_failure_policy_says_the_newest_attempts_verdict_once_before_the_res
     assert out[1].startswith("ray-app: rank 1: RuntimeError: the health check timed out; the worker group restarts")
     policy.make_decision(lost)  # another failure, no new reports: no hang line again
     assert "hang:" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_reports_go_to_s3_and_the_line_names_the_folder_there(s3, monkeypatch):
+    """Through the kit's storage on a real S3 API server (moto_server): each rank's two objects, read back
+    by the failure policy's reader, and the line's folder is the s3:// URI."""
+    from ray_app.storage import S3Storage
+
+    for key, value in s3.env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    uri = f"s3://{s3.bucket}/hang-runs"
+    storage = S3Storage(uri, retry_s=5)
+    folder = hang.attempt_folder("r", "20260101T000000Z", 1)
+    for rank in (0, 1, 3):
+        hang.write_report(storage, folder, _report(rank, 12, True, step=40))
+    assert sorted(storage.list_files(folder)) == [f"rank-{r}.{x}" for r in (0, 1, 3) for x in ("json", "txt")]
+    line = hang.HangReports(uri, "r", "20260101T000000Z").line()
+    assert line == ("hang: rank 2 (host h2; no report: stopped or gone) did not reach global loss (all_reduce) #12 at "
+                    f"step 40 that ranks 0,1,3 wait in; stacks in {uri}/r/reports/20260101T000000Z-attempt-1/")
