@@ -350,8 +350,9 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
         job.update(launch=launch_stamp(), attempt_key=f"ray_app:attempt:{launch_key}")
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     if job["mode"] == "train":  # the failure policy reads them before a restart and says who did not arrive
-        trainer.failure_policy_kwargs = {"hang_reports": HangReports(cfg.run.storage, run_name, job["launch"],
-                                                                     retry_s=min(cfg.failure.storage_retry_s, 5.0))}
+        trainer.failure_policy_kwargs = {"hang_reports": HangReports(
+            cfg.run.storage, run_name, job["launch"], retry_s=min(cfg.failure.storage_retry_s, 5.0),
+            max_age_s=2 * cfg.failure.hang_timeout_s + 60)}
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     signals: list[int] = []
     logs = WorkerLogs()

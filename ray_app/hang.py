@@ -134,18 +134,23 @@ def read_reports(storage, folder: str) -> list[RankReport]:
 # ---------------------------------------------------------------- the watchdog (every rank, a thread)
 
 class Watchdog:
-    """Watches ``counter`` every ``poll_s``: inside one collective for ``after_s``, it calls ``write(why)``
-    once; outside any collective with the counter unmoved for ``after_s``, it writes once
-    ``others_reported()`` is true (asked every ``ask_every_s``). ``clock``: time.monotonic."""
+    """Watches ``counter`` every ``poll_s``. Inside one collective for ``after_s``, it calls ``write(why)``.
+    Outside any collective with the counter unmoved for ``after_s``, it writes once ``others_reported()``
+    is true (asked every ``ask_every_s``), or at once with ``stale_alone`` (nccl: a collective returns when
+    it is queued, and a rank waits for it later, at its next sync with the GPU, outside the count). It
+    writes once per position of the counter: a counter that moves on and stops again is reported again.
+    ``clock``: time.monotonic."""
 
     def __init__(self, counter: CollectiveCounter, after_s: float, write, others_reported=lambda: False,
-                 poll_s: float | None = None, ask_every_s: float = 2.0, clock=time.monotonic):
+                 poll_s: float | None = None, ask_every_s: float = 2.0, stale_alone: bool = False,
+                 clock=time.monotonic):
         self.counter, self.after_s, self.write, self.others_reported = counter, after_s, write, others_reported
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, after_s / 20))
-        self.ask_every_s, self.clock = ask_every_s, clock
+        self.ask_every_s, self.stale_alone, self.clock = ask_every_s, stale_alone, clock
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._asked = 0.0
+        self._written_for = None  # the counter's position of the latest report
         self.thread = threading.Thread(target=self._run, name="ray-app-hang-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -159,27 +164,30 @@ class Watchdog:
         """Why this rank should write its report now, or None."""
         p, now = self.counter.position, self.clock()
         waited = now - p.since
-        if waited < self.after_s:
+        if waited < self.after_s or p == self._written_for:
             return None
         if p.inside:
             return f"inside {p.name} #{p.seq} at step {p.step} for {waited:.1f} s"
+        stale = f"no collective entered for {waited:.1f} s (the last: {p.name} #{p.seq} at step {p.step})"
+        if self.stale_alone:
+            return stale
         if now - self._asked >= self.ask_every_s:
             self._asked = now
             if self.others_reported():
-                return (f"no collective entered for {waited:.1f} s (the last: {p.name} #{p.seq} at step {p.step}) "
-                        "while other ranks reported a hang")
+                return stale + " while other ranks reported a hang"
         return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             why = self.check()
-            if why is not None:
-                self.fired.set()
-                try:
-                    self.write(why)
-                except Exception as exc:  # a report must never be what fails the run
-                    print(f"ray-app: could not write the hang report: {type(exc).__name__}: {exc}", flush=True)
-                return
+            if why is None:
+                continue
+            self._written_for = self.counter.position
+            try:
+                self.write(why)
+            except Exception as exc:  # a report must never be what fails the run
+                print(f"ray-app: could not write the hang report: {type(exc).__name__}: {exc}", flush=True)
+            self.fired.set()
 
 
 def report_now(counter: CollectiveCounter, rank: int, world_size: int, hosts: list[str], why: str,
@@ -211,9 +219,10 @@ def group_start(rank: int, attempt_key: bytes | None) -> tuple[list[str], int]:
 
 
 def start_watchdog(storage, run: str, launch: str, hang_timeout_s: float, rank: int, world_size: int,
-                   attempt_key: bytes | None = None) -> Watchdog:
+                   attempt_key: bytes | None = None, stale_alone: bool = False) -> Watchdog:
     """Every rank, at each worker-group start (a collective): the counter from zero, the group's hosts and
-    attempt, and the thread that writes this rank's report under ``{run}/reports/`` when it hangs."""
+    attempt, and the thread that writes this rank's report under ``{run}/reports/`` when it hangs
+    (``stale_alone``: the process group is nccl's, see ``Watchdog``)."""
     COUNTER.reset()
     hosts, attempt = group_start(rank, attempt_key)
     folder = attempt_folder(run, launch, attempt)
@@ -224,7 +233,7 @@ def start_watchdog(storage, run: str, launch: str, hang_timeout_s: float, rank: 
     def others_reported() -> bool:
         return any(f.endswith(".json") and f != f"rank-{rank}.json" for f in storage.list_files(folder))
 
-    return Watchdog(COUNTER, fire_after(hang_timeout_s), write, others_reported).start()
+    return Watchdog(COUNTER, fire_after(hang_timeout_s), write, others_reported, stale_alone=stale_alone).start()
 
 
 # ---------------------------------------------------------------- the verdict: who did not arrive
@@ -241,6 +250,7 @@ class Verdict:
     missing: list[int]
     behind: list[RankReport]
     hosts: list[str]
+    queued: bool = False  # no rank is inside a collective: the waiting ranks entered #K and wait on it later
 
     @property
     def absent(self) -> list[int]:
@@ -264,10 +274,12 @@ class Verdict:
             return f"hang: no rank waits in a collective; stacks in {where}"
         waited = f"{self.name} #{self.seq} at step {self.step}"
         if not self.absent:
-            return f"hang: every rank waits in {waited} (all arrived: the collective itself did not return); stacks in {where}"
+            return (f"hang: every rank {'entered and waits on' if self.queued else 'waits in'} {waited} (all "
+                    f"arrived: the collective itself did not return); stacks in {where}")
         verb = "waits" if len(self.waiting) == 1 else "wait"
         who = ", ".join(self._who(r) for r in self.absent)
-        return f"hang: {who} did not reach {waited} that {ranks(self.waiting)} {verb} in; stacks in {where}"
+        wait = f"entered and {verb} on" if self.queued else f"{verb} in"
+        return f"hang: {who} did not reach {waited} that {ranks(self.waiting)} {wait}; stacks in {where}"
 
 
 def verdict(reports: list[RankReport]) -> Verdict | None:
@@ -280,8 +292,13 @@ def verdict(reports: list[RankReport]) -> Verdict | None:
     inside = [r for r in reports if r.inside]
     reported = {r.rank for r in reports}
     missing = [k for k in range(world) if k not in reported]
-    if not inside:
-        return Verdict(0, "", max(r.step for r in reports), [], missing, [], hosts)
+    if not inside:  # nccl's collectives return once queued: the ranks wait for the latest one later
+        top = max(reports, key=lambda r: r.seq)
+        if top.seq == 0:
+            return Verdict(0, "", top.step, [], missing, [], hosts)
+        waiting = [r.rank for r in reports if r.seq == top.seq]
+        return Verdict(top.seq, top.name, top.step, waiting, missing, [r for r in reports if r.seq < top.seq],
+                       hosts, queued=True)
     top = max(inside, key=lambda r: r.seq)
     waiting = [r.rank for r in inside if r.seq == top.seq]
     behind = [r for r in reports if r.seq < top.seq]  # a rank past #K (not inside) is not blamed
@@ -299,6 +316,7 @@ class HangReports:
     run: str
     launch: str
     retry_s: float = 5.0
+    max_age_s: float = 600.0  # reports older than this at a failure belong to an earlier stall, not to it
     said: set = field(default_factory=set)
 
     def newest_folder(self, storage) -> str | None:
@@ -318,7 +336,8 @@ class HangReports:
             if folder is None or folder in self.said:
                 return None
             self.said.add(folder)
-            found = verdict(read_reports(storage, folder))
+            reports = [r for r in read_reports(storage, folder) if time.time() - r.written_unix <= self.max_age_s]
+            found = verdict(reports)
         except Exception as exc:  # the report is a help; the restart does not wait on it
             return f"hang: the reports under {self.storage_uri} could not be read ({type(exc).__name__}: {exc})"
         if found is None:

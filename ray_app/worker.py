@@ -164,7 +164,8 @@ def hang_watchdog(cfg: Config, runtime: RayRuntime, job: dict):
     budget = min(cfg.failure.storage_retry_s, hang.margin_s(cfg.failure.hang_timeout_s) / 2)
     storage = open_storage(cfg.run.storage, retry_s=budget)
     return hang.start_watchdog(storage, cfg.run.name, job["launch"], cfg.failure.hang_timeout_s, runtime.rank,
-                               runtime.world_size, attempt_key=job.get("attempt_key", "").encode() or None)
+                               runtime.world_size, attempt_key=job.get("attempt_key", "").encode() or None,
+                               stale_alone=cfg.scaling.use_gpu)  # nccl: a collective returns once queued
 
 
 def preemption_agreement(cfg: Config):

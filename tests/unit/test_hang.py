@@ -201,7 +201,7 @@ def test_the_verdict_names_the_ranks_that_did_not_reach_the_collective_the_other
     assert everyone.absent == [] and "every rank waits in global loss (all_reduce) #9" in everyone.line("w")
     # a rank already past it (it returned on that rank) is not blamed
     assert hang.verdict([_report(0, 9, True), _report(1, 9, False), _report(2, 9, True), _report(3, 9, True)]).absent == []
-    assert hang.verdict([_report(0, 9, False)]).line("w").startswith("hang: no rank waits in a collective")
+    assert hang.verdict([_report(0, 0, False)]).line("w").startswith("hang: no rank waits in a collective")
     assert hang.verdict([]) is None
 
 
@@ -294,3 +294,40 @@ def test_reports_go_to_s3_and_the_line_names_the_folder_there(s3, monkeypatch):
     line = hang.HangReports(uri, "r", "20260101T000000Z").line()
     assert line == ("hang: rank 2 (host h2; no report: stopped or gone) did not reach global loss (all_reduce) #12 at "
                     f"step 40 that ranks 0,1,3 wait in; stacks in {uri}/r/reports/20260101T000000Z-attempt-1/")
+
+
+def test_with_nccl_a_stale_counter_reports_alone_and_the_verdict_reads_ranks_waiting_after_a_queued_collective():
+    """nccl's collectives return once queued: a rank waits on one later, at its next sync with the GPU,
+    outside the count. Its counter stops moving; it writes alone, once per position of the counter."""
+    clock, counter = Clock(), CollectiveCounter()
+    counter.position = Position(seq=7, name="gradient all-reduce (backward)", step=5, since=clock.now)
+    written = []
+    dog = hang.Watchdog(counter, after_s=8.0, write=written.append, stale_alone=True, poll_s=0.01, clock=clock)
+    clock.now += 9
+    dog.start()
+    try:
+        assert dog.fired.wait(5)
+        time.sleep(0.1)
+        assert written == ["no collective entered for 9.0 s (the last: gradient all-reduce (backward) #7 at step 5)"]
+        counter.position = Position(seq=8, name="global loss (all_reduce)", step=5, since=clock.now)  # it moved on
+        clock.now += 9
+        deadline = time.monotonic() + 5
+        while len(written) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(written) == 2 and "#8" in written[1]
+    finally:
+        dog.stop()
+    found = hang.verdict([_report(0, 9, False), _report(1, 9, False), _report(2, 8, False, "gradient all-reduce (backward)")])
+    assert found.queued and found.absent == [2, 3] and found.waiting == [0, 1]
+    assert found.line("w") == ("hang: rank 2 (host h2; after gradient all-reduce (backward) #8 at step 8), rank 3 (host h3; "
+                               "no report: stopped or gone) did not reach global loss (all_reduce) #9 at step 8 that ranks "
+                               "0,1 entered and wait on; stacks in w")
+
+
+def test_reports_older_than_the_stall_that_failed_are_left_out(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    folder = hang.attempt_folder("r", "20260101T000000Z", 1)
+    old = _report(0, 3, False)
+    old.written_unix -= 3600  # a long evaluation an hour ago, no hang
+    hang.write_report(storage, folder, old)
+    assert hang.HangReports(str(tmp_path), "r", "20260101T000000Z", max_age_s=60).line() is None
