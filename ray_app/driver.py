@@ -207,11 +207,14 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
 
     from ray_app import preemption
     from ray_app.backend import KitTorchConfig
+    from ray_app.hang import HangReports, launch_stamp
 
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
-    return lean_trainer_class()(
+    if job["mode"] == "train":  # hang reports: {run}/reports/{launch}-attempt-{n}/ (ray_app.hang)
+        job = dict(job, launch=launch_stamp(), attempt_key=f"ray_app:attempt:{uuid.uuid4().hex}")
+    trainer = lean_trainer_class()(
         functools.partial(worker_main, results=results),
         train_loop_config=job,
         # elastic (scaling.min_workers): Ray Train starts with what the cluster has room for, restarts a
@@ -235,6 +238,11 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
             logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),
         ),
     )
+    if job["mode"] == "train":  # the failure policy reads them before a restart and says who did not arrive
+        trainer.failure_policy_kwargs = {"hang_reports": HangReports(
+            cfg.run.storage, cfg.run.name, job["launch"], retry_s=min(cfg.failure.storage_retry_s, 5.0),
+            max_age_s=2 * cfg.failure.hang_timeout_s + 60)}
+    return trainer
 
 
 def _num_workers(cfg: Config):
@@ -339,20 +347,13 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     import ray
     from ray.train import TrainingFailedError
 
-    from ray_app.hang import HangReports, launch_stamp
     from ray_app.preemption import stop_on_sigterm
 
     launch_key = uuid.uuid4().hex
     results = ResultSlot(launch_key)
     # tracking_key: the same for every worker-group restart of this launch (its MLflow run, before a checkpoint has its id)
     job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=launch_key)
-    if job["mode"] == "train":  # hang reports: {run}/reports/{launch}-attempt-{n}/ (ray_app.hang)
-        job.update(launch=launch_stamp(), attempt_key=f"ray_app:attempt:{launch_key}")
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
-    if job["mode"] == "train":  # the failure policy reads them before a restart and says who did not arrive
-        trainer.failure_policy_kwargs = {"hang_reports": HangReports(
-            cfg.run.storage, run_name, job["launch"], retry_s=min(cfg.failure.storage_retry_s, 5.0),
-            max_age_s=2 * cfg.failure.hang_timeout_s + 60)}
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     signals: list[int] = []
     logs = WorkerLogs()
