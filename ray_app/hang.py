@@ -8,6 +8,7 @@ thread writes this rank's report through the kit's storage (a local folder or S3
 
     {run.storage}/{run.name}/reports/{launch}-attempt-{n}/rank-{r}.json   the counter, hosts, why, stacks
     {run.storage}/{run.name}/reports/{launch}-attempt-{n}/rank-{r}.txt    the stacks of every thread
+    {run.storage}/{run.name}/reports/{launch}-attempt-{n}/verdict.json    the failure policy's verdict
 
 A rank that is not inside a collective but whose counter has not moved for as long (stuck in its own
 code, its data loader) writes its report too, once another rank's report is there. A stopped process
@@ -110,13 +111,17 @@ class RankReport:
 
 def write_report(storage, folder: str, report: RankReport) -> None:
     """``rank-R.json`` and ``rank-R.txt`` (the stacks, for reading) under ``folder``, through the storage."""
-    for suffix, body in ((".txt", report.stacks.encode()), (".json", report.to_json())):
-        with tempfile.NamedTemporaryFile(prefix="ray-app-hang-", suffix=suffix, delete=False) as f:
-            f.write(body)
-        try:
-            storage.upload_file(f.name, f"{folder}/rank-{report.rank}{suffix}")
-        finally:
-            os.unlink(f.name)
+    upload_bytes(storage, f"{folder}/rank-{report.rank}.txt", report.stacks.encode())
+    upload_bytes(storage, f"{folder}/rank-{report.rank}.json", report.to_json())
+
+
+def upload_bytes(storage, rel: str, body: bytes) -> None:
+    with tempfile.NamedTemporaryFile(prefix="ray-app-hang-", delete=False) as f:
+        f.write(body)
+    try:
+        storage.upload_file(f.name, rel)
+    finally:
+        os.unlink(f.name)
 
 
 def read_reports(storage, folder: str) -> list[RankReport]:
@@ -343,8 +348,15 @@ class HangReports:
         if found is None:
             return None
         where = storage.uri(folder) + "/"
+        line = found.line(where)
+        try:  # the verdict beside the reports: it outlives the cluster, as they do
+            upload_bytes(storage, f"{folder}/verdict.json", json.dumps(
+                {"line": line, "seq": found.seq, "collective": found.name, "step": found.step, "waiting": found.waiting,
+                 "did_not_arrive": found.absent, "hosts": found.hosts, "written_unix": time.time()}, indent=1).encode())
+        except Exception:
+            pass
         on_hang_report(found, where)
-        return found.line(where)
+        return line
 
 
 def on_hang_report(found: Verdict, where: str) -> None:

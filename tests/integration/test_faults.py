@@ -103,7 +103,8 @@ def _the_hang_report_names_the_stopped_rank(run: Run, victim_pid: int, run_dir: 
     assert m and (int(m.group(1)), int(m.group(6))) == (stopped, other), lines[0]
     folder = Path(m.group(7))
     assert folder.parent == run_dir / "reports", folder
-    assert sorted(f.name for f in folder.iterdir()) == [f"rank-{other}.json", f"rank-{other}.txt"]
+    assert sorted(f.name for f in folder.iterdir()) == [f"rank-{other}.json", f"rank-{other}.txt", "verdict.json"]
+    assert json.loads((folder / "verdict.json").read_text())["did_not_arrive"] == [stopped]
     report = json.loads((folder / f"rank-{other}.json").read_text())
     assert (report["name"], report["seq"], report["step"], report["inside"]) == \
         (m.group(3), int(m.group(4)), int(m.group(5)), True), report

@@ -272,6 +272,9 @@ def test_the_failure_policy_says_the_newest_attempts_verdict_once_before_the_res
     assert out[0] == (f"ray-app: hang: rank 1 (host h1; no report: stopped or gone) did not reach global loss (all_reduce) "
                       f"#9 at step 8 that ranks 0,2,3 wait in; stacks in {where}")
     assert out[1].startswith("ray-app: rank 1: RuntimeError: the health check timed out; the worker group restarts")
+    verdict = json.loads((tmp_path / "r/reports/20260101T000000Z-attempt-2/verdict.json").read_text())
+    assert verdict["line"] == out[0][len("ray-app: "):] and verdict["did_not_arrive"] == [1]  # kept beside the reports
+    assert (verdict["collective"], verdict["seq"], verdict["step"], verdict["waiting"]) == ("global loss (all_reduce)", 9, 8, [0, 2, 3])
     policy.make_decision(lost)  # another failure, no new reports: no hang line again
     assert "hang:" not in capsys.readouterr().out
 
