@@ -81,6 +81,7 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
     assert [n for _, n in restarts] == ["1"], run.text[-5000:]
     assert "Error in training function" not in run.text and "Traceback" not in run.text, run.text[-5000:]
     hang_step = _the_hang_report_names_the_stopped_rank(run, victim.pid, run_dir)
+    print(f"[faults] the hang line {run.first(r'ray-app: hang: ') - stopped_at:.1f}s after the SIGSTOP")
 
     summary = summary_of(run.text)
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
