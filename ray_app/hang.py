@@ -18,8 +18,8 @@ order, so the ranks inside collective #K wait for those whose count stopped shor
 Controller side: ``HangReports.line`` (in the failure policy, before the restart line) reads the newest
 attempt's reports, gives the ``verdict`` and prints one line:
 
-    ray-app: hang: rank 1 (host h) did not reach gradient all-reduce (backward) #412 at step 57 that
-    rank 0 waits in; stacks in s3://bucket/runs/r/reports/20261204T140501Z-attempt-1/
+    ray-app: hang: rank 1 (host h; no report: stopped or gone) did not reach gradient all-reduce
+    (backward) #412 at step 57 that rank 0 waits in; stacks in s3://bucket/runs/r/reports/20261204T140501Z-attempt-1/
 
 ``on_hang_report`` is where the run's journal records the report.
 """
@@ -236,7 +236,8 @@ def start_watchdog(storage, run: str, launch: str, hang_timeout_s: float, rank: 
         write_report(storage, folder, report_now(COUNTER, rank, world_size, hosts, why))
 
     def others_reported() -> bool:
-        return any(f.endswith(".json") and f != f"rank-{rank}.json" for f in storage.list_files(folder))
+        return any(f.startswith("rank-") and f.endswith(".json") and f != f"rank-{rank}.json"
+                   for f in storage.list_files(folder))
 
     return Watchdog(COUNTER, fire_after(hang_timeout_s), write, others_reported, stale_alone=stale_alone).start()
 
