@@ -207,7 +207,7 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
 
     from ray_app import preemption
     from ray_app.backend import KitTorchConfig
-    from ray_app.hang import HangReports, launch_stamp
+    from ray_app.hang import HangReports, launch_stamp, margin_s
 
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
@@ -241,7 +241,7 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
     if job["mode"] == "train":  # the failure policy reads them before a restart and says who did not arrive
         trainer.failure_policy_kwargs = {"hang_reports": HangReports(
             cfg.run.storage, cfg.run.name, job["launch"], retry_s=min(cfg.failure.storage_retry_s, 5.0),
-            max_age_s=2 * cfg.failure.hang_timeout_s + 60)}
+            max_age_s=2 * cfg.failure.hang_timeout_s + 60, wait_s=margin_s(cfg.failure.hang_timeout_s))}
     return trainer
 
 

@@ -23,11 +23,11 @@ class KitFailurePolicy(DefaultFailurePolicy):
         self.hang_reports = hang_reports  # ray_app.hang.HangReports: the ranks' reports of a hang, if any
 
     def make_decision(self, training_failed_error) -> FailureDecision:
+        failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
         if self.hang_reports is not None:  # before the restart's line: who did not arrive, where the stacks are
-            hang_line = self.hang_reports.line()
+            hang_line = self.hang_reports.line(failed)
             if hang_line:
                 print(f"ray-app: {hang_line}", flush=True)
-        failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
         controller = training_failed_error if not failed and hasattr(training_failed_error, "controller_failure") \
             else None
         decision = self.history.decide(failed, controller)

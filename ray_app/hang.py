@@ -323,6 +323,7 @@ class HangReports:
     launch: str
     retry_s: float = 5.0
     max_age_s: float = 600.0  # reports older than this at a failure belong to an earlier stall, not to it
+    wait_s: float = 0.0  # how long a failure that looks like a hang waits for reports still on their way
     said: set = field(default_factory=set)
 
     def newest_folder(self, storage) -> str | None:
@@ -333,12 +334,18 @@ class HangReports:
         newest = max(attempts, key=lambda d: int(d[len(prefix):]) if d[len(prefix):].isdigit() else 0)
         return f"{self.run}/{REPORTS}/{newest}"
 
-    def line(self) -> str | None:
+    def line(self, failures: dict | None = None) -> str | None:
+        """``failures``: each failed rank's error; one that looks like a hang (``looks_hung``) waits up to
+        ``wait_s`` for the reports (a rank that entered its collective late writes late)."""
         from ray_app.storage import open_storage
 
         try:
             storage = open_storage(self.storage_uri, retry_s=self.retry_s)
+            deadline = time.monotonic() + (self.wait_s if looks_hung(failures or {}) else 0.0)
             folder = self.newest_folder(storage)
+            while (folder is None or folder in self.said) and time.monotonic() < deadline:
+                time.sleep(0.5)
+                folder = self.newest_folder(storage)
             if folder is None or folder in self.said:
                 return None
             self.said.add(folder)
@@ -358,6 +365,15 @@ class HangReports:
             pass
         on_hang_report(found, where)
         return line
+
+
+HUNG_ERRORS = ("WorkerHealthCheckTimeoutError", "CollectiveTimeoutError", "BroadcastCollectiveTimeoutError")
+
+
+def looks_hung(failures: dict) -> bool:
+    """Whether a failed group's errors say a rank made no progress: Ray Train's health check or barrier
+    timed out (by the names of its errors), or a collective did (its message)."""
+    return any(type(e).__name__ in HUNG_ERRORS or "timed out" in str(e).lower() for e in failures.values())
 
 
 def on_hang_report(found: Verdict, where: str) -> None:

@@ -334,3 +334,36 @@ def test_reports_older_than_the_stall_that_failed_are_left_out(tmp_path):
     old.written_unix -= 3600  # a long evaluation an hour ago, no hang
     hang.write_report(storage, folder, old)
     assert hang.HangReports(str(tmp_path), "r", "20260101T000000Z", max_age_s=60).line() is None
+
+
+def test_a_failure_that_looks_like_a_hang_waits_for_reports_still_on_their_way(tmp_path, capsys):
+    """Ray Train's health check of a stopped rank can give up before the waiting rank's watchdog wrote (it
+    entered its collective late): the policy waits up to ``wait_s`` for the reports; a killed worker
+    (no timeout in its error) does not wait."""
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_app.failure_policy import KitFailurePolicy
+
+    storage = LocalStorage(str(tmp_path))
+    reports = hang.HangReports(str(tmp_path), "r", "20260101T000000Z", wait_s=20)
+    policy = KitFailurePolicy(FailureConfig(max_failures=5), hang_reports=reports)
+    t0 = time.monotonic()
+    policy.make_decision(WorkerGroupError("x", {1: RuntimeError("the actor died unexpectedly")}))
+    assert time.monotonic() - t0 < 2 and "hang:" not in capsys.readouterr().out  # no wait, no line
+
+    def late_report():
+        time.sleep(1.5)
+        hang.write_report(storage, hang.attempt_folder("r", "20260101T000000Z", 1), _report(0, 4, True, world=2))
+
+    writer = threading.Thread(target=late_report)
+    writer.start()
+    t0 = time.monotonic()
+    policy.make_decision(WorkerGroupError("x", {1: WorkerHealthCheckTimeoutError("rank 1 did not answer")}))
+    waited = time.monotonic() - t0
+    writer.join()
+    assert 1.5 <= waited < 10, waited
+    assert "ray-app: hang: rank 1 (host h1; no report: stopped or gone) did not reach global loss (all_reduce) #4" in \
+        capsys.readouterr().out
+    assert hang.looks_hung({0: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")})
