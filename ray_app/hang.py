@@ -326,6 +326,13 @@ class HangReports:
     wait_s: float = 0.0  # how long a failure that looks like a hang waits for reports still on their way
     said: set = field(default_factory=set)
 
+    def _fresh_reports(self, storage) -> tuple[str | None, list[RankReport]]:
+        """The newest attempt's folder not said yet, and its reports written within ``max_age_s``."""
+        folder = self.newest_folder(storage)
+        if folder is None or folder in self.said:
+            return folder, []
+        return folder, [r for r in read_reports(storage, folder) if time.time() - r.written_unix <= self.max_age_s]
+
     def newest_folder(self, storage) -> str | None:
         prefix = f"{self.launch}-attempt-"
         attempts = [d for d in storage.list_dirs(f"{self.run}/{REPORTS}") if d.startswith(prefix)]
@@ -336,25 +343,26 @@ class HangReports:
 
     def line(self, failures: dict | None = None) -> str | None:
         """``failures``: each failed rank's error; one that looks like a hang (``looks_hung``) waits up to
-        ``wait_s`` for the reports (a rank that entered its collective late writes late)."""
+        ``wait_s`` for the reports (a rank that entered its collective late writes late), until their
+        number has not changed for a second."""
         from ray_app.storage import open_storage
 
         try:
             storage = open_storage(self.storage_uri, retry_s=self.retry_s)
             deadline = time.monotonic() + (self.wait_s if looks_hung(failures or {}) else 0.0)
-            folder = self.newest_folder(storage)
-            while (folder is None or folder in self.said) and time.monotonic() < deadline:
-                time.sleep(0.5)
-                folder = self.newest_folder(storage)
-            if folder is None or folder in self.said:
+            folder, reports = self._fresh_reports(storage)
+            while time.monotonic() < deadline:
+                time.sleep(1.0 if reports else 0.5)
+                again = self._fresh_reports(storage)
+                if reports and len(again[1]) == len(reports):
+                    break  # every rank that could write has written
+                folder, reports = again
+            if not reports:
                 return None
             self.said.add(folder)
-            reports = [r for r in read_reports(storage, folder) if time.time() - r.written_unix <= self.max_age_s]
             found = verdict(reports)
         except Exception as exc:  # the report is a help; the restart does not wait on it
             return f"hang: the reports under {self.storage_uri} could not be read ({type(exc).__name__}: {exc})"
-        if found is None:
-            return None
         where = storage.uri(folder) + "/"
         line = found.line(where)
         try:  # the verdict beside the reports: it outlives the cluster, as they do

@@ -23,7 +23,7 @@ from ray_app.collectives import COUNTER, CollectiveCounter, Position
 from ray_app.storage import LocalStorage
 from tests.support.ports import free_port
 
-HANG_TIMEOUT_S = 10.0  # the collectives' timeout in the spawned groups (failure.hang_timeout_s's smallest)
+HANG_TIMEOUT_S = 5.0  # the collectives' timeout in the spawned groups: the report comes 2 s before it
 
 
 # ---------------------------------------------------------------- in every spawned rank
@@ -353,17 +353,20 @@ def test_a_failure_that_looks_like_a_hang_waits_for_reports_still_on_their_way(t
     policy.make_decision(WorkerGroupError("x", {1: RuntimeError("the actor died unexpectedly")}))
     assert time.monotonic() - t0 < 2 and "hang:" not in capsys.readouterr().out  # no wait, no line
 
-    def late_report():
+    def late_reports():  # the waiting ranks write one after the other
         time.sleep(1.5)
-        hang.write_report(storage, hang.attempt_folder("r", "20260101T000000Z", 1), _report(0, 4, True, world=2))
+        for rank in (0, 2):
+            hang.write_report(storage, hang.attempt_folder("r", "20260101T000000Z", 1), _report(rank, 4, True, world=3))
+            time.sleep(0.5)
 
-    writer = threading.Thread(target=late_report)
+    writer = threading.Thread(target=late_reports)
     writer.start()
     t0 = time.monotonic()
     policy.make_decision(WorkerGroupError("x", {1: WorkerHealthCheckTimeoutError("rank 1 did not answer")}))
     waited = time.monotonic() - t0
     writer.join()
     assert 1.5 <= waited < 10, waited
-    assert "ray-app: hang: rank 1 (host h1; no report: stopped or gone) did not reach global loss (all_reduce) #4" in \
-        capsys.readouterr().out
+    # read once their number settled: both waiting ranks, and only the stopped one named
+    assert "ray-app: hang: rank 1 (host h1; no report: stopped or gone) did not reach global loss (all_reduce) #4 at " \
+        "step 8 that ranks 0,2 wait in" in capsys.readouterr().out
     assert hang.looks_hung({0: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")})
