@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
+from ray_app.collectives import entered
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -171,8 +173,9 @@ def assert_identical_parameters(model: torch.nn.Module) -> None:
     """Practice 1: after DDP's broadcast every rank must hold rank 0's parameters."""
     fp = param_fingerprint(model)
     lo, hi = fp.clone(), fp.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)  # sync point: all ranks
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    with entered("parameter check (all_reduce)"):
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)  # sync point: all ranks
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     if not torch.equal(lo, hi):
         raise RuntimeError("ranks hold different parameters after DDP wrapping")
 
@@ -180,7 +183,8 @@ def assert_identical_parameters(model: torch.nn.Module) -> None:
 def global_sum_and_count(loss_sum: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
     """Practice 4: (sum, n) over all ranks (one all_reduce of [sum, n])."""
     t = torch.stack([torch.as_tensor(loss_sum).double(), torch.as_tensor(count, device=loss_sum.device).double()])
-    dist.all_reduce(t)  # sync point: all ranks
+    with entered("global loss (all_reduce)"):
+        dist.all_reduce(t)  # sync point: all ranks
     return t[0].item(), t[1].item()
 
 
@@ -199,7 +203,8 @@ def gather_eval_rows(indices: torch.Tensor, values: torch.Tensor, world_size: in
     """
     local = torch.cat([indices.double().unsqueeze(1), values.double()], dim=1)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)  # sync point: all ranks
+    with entered("eval rows (all_gather)"):
+        dist.all_gather(gathered, local)  # sync point: all ranks
     rows = torch.cat(gathered).cpu()
     _, first = np.unique(rows[:, 0].numpy(), return_index=True)
     unique = rows[torch.from_numpy(np.sort(first))]
@@ -258,7 +263,8 @@ class ExactSums:
     def all_reduce(self) -> None:
         self._flush()
         t = torch.cat([self.limbs.flatten(), self.special.flatten(), self.count])
-        dist.all_reduce(t)  # sync point: all ranks (sums and counts only, padding already masked)
+        with entered("eval sums (all_reduce)"):
+            dist.all_reduce(t)  # sync point: all ranks (sums and counts only, padding already masked)
         n_limbs, n_special = self.limbs.numel(), self.special.numel()
         self.limbs = t[:n_limbs].view_as(self.limbs)
         self.special = t[n_limbs:n_limbs + n_special].view_as(self.special)

@@ -207,11 +207,14 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
 
     from ray_app import preemption
     from ray_app.backend import KitTorchConfig
+    from ray_app.hang import HangReports, launch_stamp, margin_s
 
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
-    return lean_trainer_class()(
+    if job["mode"] == "train":  # hang reports: {run}/reports/{launch}-attempt-{n}/ (ray_app.hang)
+        job = dict(job, launch=launch_stamp(), attempt_key=f"ray_app:attempt:{uuid.uuid4().hex}")
+    trainer = lean_trainer_class()(
         functools.partial(worker_main, results=results),
         train_loop_config=job,
         # elastic (scaling.min_workers): Ray Train starts with what the cluster has room for, restarts a
@@ -235,6 +238,11 @@ def build_trainer(cfg: Config, job: dict, results, run_name: str, storage_path: 
             logging_config=LoggingConfig(log_level=os.environ.get("RAY_APP_RAY_TRAIN_LOG_LEVEL", "WARNING")),
         ),
     )
+    if job["mode"] == "train":  # the failure policy reads them before a restart and says who did not arrive
+        trainer.failure_policy_kwargs = {"hang_reports": HangReports(
+            cfg.run.storage, cfg.run.name, job["launch"], retry_s=min(cfg.failure.storage_retry_s, 5.0),
+            max_age_s=2 * cfg.failure.hang_timeout_s + 60, wait_s=margin_s(cfg.failure.hang_timeout_s))}
+    return trainer
 
 
 def _num_workers(cfg: Config):
@@ -348,7 +356,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
     trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
     if job.get("launch_id"):  # the failure policy writes each restart into the run journal
-        trainer.kit_policy_args = {"journal_of": (cfg.run.storage, run_name, job["launch_id"])}
+        trainer.failure_policy_kwargs = {**trainer.failure_policy_kwargs, "journal_of": (cfg.run.storage, run_name, job["launch_id"])}
     signals: list[int] = []
     logs = WorkerLogs()
     try:

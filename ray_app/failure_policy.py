@@ -19,13 +19,19 @@ DefaultFailurePolicy, FailureDecision, is_preemption_failure = ray_seam.failure_
 
 
 class KitFailurePolicy(DefaultFailurePolicy):
-    def __init__(self, failure_config, journal_of: tuple[str, str, str] | None = None):
+    def __init__(self, failure_config, journal_of: tuple[str, str, str] | None = None, hang_reports=None):
         super().__init__(failure_config)
         self.history = failures.FailureHistory()
         self.journal_of = journal_of  # (run.storage, run.name, the launch's id): where its events go
+        self.hang_reports = hang_reports  # ray_app.hang.HangReports: the ranks' reports of a hang, if any
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
+        if self.hang_reports is not None:  # before the restart's line: who did not arrive, where the stacks are
+            hang_line = self.hang_reports.line(failed)
+            if hang_line:
+                print(f"ray-app: {hang_line}", flush=True)
+                self._journal("hang_report", cause=hang_line)
         controller = training_failed_error if not failed and hasattr(training_failed_error, "controller_failure") \
             else None
         decision = self.history.decide(failed, controller)

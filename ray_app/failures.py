@@ -33,7 +33,9 @@ storage at a command's start (the driver's own reads: eval's or   -             
 ===========================  ==================================  ===========================  ================  ====
 
 Every restart is one line (``restart_line``); a run that ends is one line at the driver (``one_line``),
-the user's traceback once before it for their own error.
+the user's traceback once before it for their own error. A hang's restart line follows the hang report's
+line (``ray_app.hang``: the rank that did not reach the collective the others wait in, and where their
+stacks are).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ray_app import __version__
 from ray_app.checkpoint import capture_rng_state
+from ray_app.collectives import entered
 from ray_app.config import Config
 from ray_app.ddp import to_device
 from ray_app.errors import Preempted, Stopped
@@ -210,7 +211,8 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 loss, n = self.loss_contract(self.task.loss(self.model, batch), batch)
             # a non-finite loss on any rank: NaN gradients on every rank (ray_app.guards)
-            self.nonfinite.mask(loss, loss / group_size).backward()
+            with entered("gradient all-reduce (backward)", self.pos.global_step + 1) if sync else contextlib.nullcontext():
+                self.nonfinite.mask(loss, loss / group_size).backward()
         return loss, n
 
     def _optimizer_step(self) -> None:
@@ -263,7 +265,8 @@ class Trainer:
             self.rt.report(dict(self._metrics_dict(), **(metrics or {})))  # Ray's barrier: every rank reports
             return
         names = [self.ckpt.new_name(self.pos.global_step)]
-        dist.broadcast_object_list(names, src=0)  # sync point: rank 0's name, which every rank writes under
+        with entered("checkpoint (broadcast_object_list)"):  # sync point: rank 0's name, which every rank writes under
+            dist.broadcast_object_list(names, src=0)
         metrics = dict(self._metrics_dict(), **(metrics or {}))
         shared = None
         if self.is_rank0:  # the small files; every rank writes its share of the model, the optimizer and its RNG

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from ray_app.collectives import entered
+
 PREEMPT, STOP = 1, 2  # the kinds of notice, in the order the agreement's MAX ranks them
 NOTICE = threading.Event()
 _KIND = [0]  # the highest kind noticed by this process
@@ -196,7 +198,8 @@ class Agreement:
 
         agreed = 0
         if self.work is not None:
-            self.work.wait()
+            with entered("preemption flag (all_reduce)"):
+                self.work.wait()  # sync point: the flags every rank posted one step earlier
             agreed = int(self.flag.item())
             if agreed:
                 say_agreed()
@@ -206,5 +209,6 @@ class Agreement:
 
     def close(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with entered("preemption flag (all_reduce)"):
+                self.work.wait()
             self.work = None

@@ -450,7 +450,7 @@ def trainer_class(dropped_callbacks: tuple[str, ...], failure_policy, scaling_po
     - ``_register_sigint_handler``: Ray's only when ``kit_handles_sigint`` is False (else the kit's
       SIGINT checkpoints first);
     - ``_initialize_and_run_controller``: the controller gets ``failure_policy(failure_config,
-      **kit_policy_args)`` and
+      **failure_policy_kwargs)`` (a per-run instance, pickled to the controller with its attributes) and
       ``scaling_policy(policy, trainer)`` in place of Ray's.
 
     Missing hooks: ``RaySeamBroken`` naming them (the kit does not run without its failure policy)."""
@@ -467,7 +467,7 @@ def trainer_class(dropped_callbacks: tuple[str, ...], failure_policy, scaling_po
     class LeanTorchTrainer(TorchTrainer):
         without_autoscaler = False  # set for a Ray the kit started itself: nothing to ask for resources
         kit_handles_sigint = False  # set where the driver's SIGINT checkpoints first (ray_app.preemption)
-        kit_policy_args: dict = {}  # keyword arguments of the failure policy beside Ray's failure_config
+        failure_policy_kwargs: dict = {}  # keyword arguments the kit's failure policy is built with
 
         def _create_default_callbacks(self):
             callbacks = super()._create_default_callbacks()
@@ -479,7 +479,7 @@ def trainer_class(dropped_callbacks: tuple[str, ...], failure_policy, scaling_po
                 super()._register_sigint_handler(controller)
 
         def _initialize_and_run_controller(self, **kwargs):
-            kwargs["failure_policy"] = failure_policy(self.run_config.failure_config, **self.kit_policy_args)
+            kwargs["failure_policy"] = failure_policy(self.run_config.failure_config, **self.failure_policy_kwargs)
             if "scaling_policy" in kwargs:
                 kwargs["scaling_policy"] = scaling_policy(kwargs["scaling_policy"], self)
             return super()._initialize_and_run_controller(**kwargs)

@@ -68,8 +68,11 @@ class RayRuntime:
         """Every rank calls this the same number of times (ray.train.report is a barrier). A checkpoint's
         report names the same ``dir_name`` on every rank, the writer's, though only the writer has ``local_dir``
         (Ray Train takes rank 0's name for all)."""
+        from ray_app.collectives import entered
+
         if local_dir is None:
-            self._train.report(metrics, checkpoint_dir_name=dir_name)
+            with entered("ray.train.report"):  # sync point: Ray Train's barrier
+                self._train.report(metrics, checkpoint_dir_name=dir_name)
             return
         from ray_app.checkpoint import cleanup_local
 
@@ -78,9 +81,10 @@ class RayRuntime:
             path, fs = self.storage.ray_checkpoint_location(f"{self.run}/{name}")
             return self._train.Checkpoint(path, filesystem=fs)
 
-        self._train.report(metrics, checkpoint=self._train.Checkpoint.from_directory(str(local_dir)),
-                           checkpoint_dir_name=dir_name, checkpoint_upload_mode=self.upload_mode,
-                           checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=True)
+        with entered("ray.train.report (checkpoint)"):  # sync point: Ray Train's barrier
+            self._train.report(metrics, checkpoint=self._train.Checkpoint.from_directory(str(local_dir)),
+                               checkpoint_dir_name=dir_name, checkpoint_upload_mode=self.upload_mode,
+                               checkpoint_upload_fn=upload_fn, delete_local_checkpoint_after_upload=True)
         if self.upload_mode == self._train.CheckpointUploadMode.SYNC:
             cleanup_local(local_dir)
 
@@ -139,10 +143,33 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
                                          prometheus=prometheus),
                               journal_sink(cfg, runtime.storage, job, hosts, prometheus)])
         checkpointer.on_commit = metrics.on_checkpoint_committed
-    parts = build_parts(cfg, runtime)
-    stats.mark("model_ready_unix")
-    trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats, preemption_agreement(cfg))
-    return trainer.fit(), trainer
+    watchdog = hang_watchdog(cfg, runtime, job)
+    try:
+        parts = build_parts(cfg, runtime)
+        stats.mark("model_ready_unix")
+        trainer = Trainer(cfg, runtime, parts, checkpointer, metrics, stats, preemption_agreement(cfg))
+        return trainer.fit(), trainer
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+
+
+def hang_watchdog(cfg: Config, runtime: RayRuntime, job: dict):
+    """The thread that writes this rank's hang report under ``{run}/reports/`` (``ray_app.hang``), started
+    by every rank of a group of two or more; its storage gives up soon: the report must land before the
+    group is torn down."""
+    import torch.distributed as dist
+
+    from ray_app import hang
+    from ray_app.storage import open_storage
+
+    if not job.get("launch") or not dist.is_initialized() or runtime.world_size < 2:
+        return None
+    budget = min(cfg.failure.storage_retry_s, hang.margin_s(cfg.failure.hang_timeout_s) / 2)
+    storage = open_storage(cfg.run.storage, retry_s=budget)
+    return hang.start_watchdog(storage, cfg.run.name, job["launch"], cfg.failure.hang_timeout_s, runtime.rank,
+                               runtime.world_size, attempt_key=job.get("attempt_key", "").encode() or None,
+                               stale_alone=cfg.scaling.use_gpu)  # nccl: a collective returns once queued
 
 
 def gather_hosts(world_size: int) -> list[str]:

@@ -1,7 +1,9 @@
 """Faults beyond a killed worker, on a local Ray (CPU, gloo).
 
 - a rank SIGSTOPped mid-epoch: the others' collectives give up after ``failure.hang_timeout_s``, Ray
-  Train restarts the group from the newest checkpoint, the stopped process is killed;
+  Train restarts the group from the newest checkpoint, the stopped process is killed; before that the
+  other rank writes its hang report (stacks and collective counter) and the driver's one line names the
+  stopped rank, the collective the other waits in and the step;
 - a SIGTERM to the driver: the workers checkpoint at the next step boundary and the run stops (143);
   the same command again resumes there;
 
@@ -18,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -79,11 +82,42 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
                           r"\(restart (\d+) of \d+: failure\.max_failures\)$", run.text, re.M)
     assert [n for _, n in restarts] == ["1"], run.text[-5000:]
     assert "Error in training function" not in run.text and "Traceback" not in run.text, run.text[-5000:]
+    hang_step = _the_hang_report_names_the_stopped_rank(run, victim.pid, run_dir)
+    print(f"[faults] the hang line {run.first(r'ray-app: hang: ') - stopped_at:.1f}s after the SIGSTOP")
 
     summary = summary_of(run.text)
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert summary["resumed_from_step"] >= max(before) > STEPS_PER_EPOCH, (summary, before)
+    # the hang was at a step after the checkpoint the group resumed from, within its cadence (every 12 steps)
+    assert summary["resumed_from_step"] < hang_step <= summary["resumed_from_step"] + 13, (hang_step, summary)
     assert_bit_identical(final_model(summary), reference)
+
+
+def _the_hang_report_names_the_stopped_rank(run: Run, victim_pid: int, run_dir: Path) -> int:
+    """The driver's one hang line names the stopped rank (each rank's line says its pid), the collective the
+    other rank waits in and the step; that rank's stacks and counter are in the folder the line names, the
+    stopped one wrote nothing. Returns the step."""
+    ranks = {int(pid): int(rank) for pid, rank in re.findall(r"pid=(\d+)(?:, ip=\S+)?\) rank (\d+)/2 on host", run.text)}
+    stopped, other = ranks[victim_pid], 1 - ranks[victim_pid]
+    lines = re.findall(r"ray-app: (hang: .*)$", run.text, re.M)
+    assert len(lines) == 1, run.text[-5000:]
+    m = re.fullmatch(r"hang: rank (\d) \(host (\S+); no report: stopped or gone\) did not reach (.+) #(\d+) at step "
+                     r"(\d+) that rank (\d) waits in; stacks in (\S+)/", lines[0])
+    assert m and (int(m.group(1)), int(m.group(6))) == (stopped, other), lines[0]
+    folder = Path(m.group(7))
+    assert folder.parent == run_dir / "reports", folder
+    assert sorted(f.name for f in folder.iterdir()) == [f"rank-{other}.json", f"rank-{other}.txt", "verdict.json"]
+    assert json.loads((folder / "verdict.json").read_text())["did_not_arrive"] == [stopped]
+    report = json.loads((folder / f"rank-{other}.json").read_text())
+    assert (report["name"], report["seq"], report["step"], report["inside"]) == \
+        (m.group(3), int(m.group(4)), int(m.group(5)), True), report
+    stacks = (folder / f"rank-{other}.txt").read_text()
+    # first the thread that entered the collective: Ray Train's training thread, in the kit's loop
+    first = stacks.split('\nThread "')[0]
+    assert first.startswith('Thread "TrainingThread') and ", entered the collective)" in first, stacks
+    assert "in fit" in first and 'Thread "MainThread"' in stacks, stacks
+    print(f"\n[faults] {lines[0]}")
+    return int(m.group(5))
 
 
 def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_loses_no_step(reference, tmp_path):

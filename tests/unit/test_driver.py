@@ -125,6 +125,15 @@ def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
     assert trainer._initialize_and_run_controller(failure_policy="ray's default", other=1) == "result"
     assert isinstance(seen["failure_policy"], KitFailurePolicy) and seen["other"] == 1
     assert seen["failure_policy"].failure_config.max_failures == 5
+    # it knows where this launch's hang reports are (ray_app.hang), after the trip to the controller too
+    import pickle
+
+    reports = pickle.loads(pickle.dumps(seen["failure_policy"])).hang_reports
+    launch = trainer.train_loop_config["launch"]
+    assert (reports.storage_uri, reports.run, reports.launch) == (str(tmp_path), cfg.run.name, launch)
+    assert trainer.train_loop_config["attempt_key"].startswith("ray_app:attempt:")
+    evaluation = _trainer(cfg, job={"mode": "eval", "config": cfg.to_dict()})
+    assert evaluation.failure_policy_kwargs == {} and "launch" not in evaluation.train_loop_config
 
 
 def test_a_ray_started_here_has_no_autoscaling_coordinator(monkeypatch, tmp_path):

@@ -312,6 +312,6 @@ def test_the_driver_hands_the_policy_where_the_journal_is(monkeypatch, tmp_path)
     monkeypatch.setattr(base, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw))
     cfg = load_config(None, [f"run.storage={tmp_path}"])
     trainer = driver.build_trainer(cfg, {"mode": "train"}, None, "r", str(tmp_path))
-    trainer.kit_policy_args = {"journal_of": (str(tmp_path), "r", "L2")}
+    trainer.failure_policy_kwargs = {"journal_of": (str(tmp_path), "r", "L2")}
     trainer._initialize_and_run_controller(failure_policy=None)
     assert seen["failure_policy"].journal_of == (str(tmp_path), "r", "L2")
