@@ -116,6 +116,11 @@ def _the_hang_report_names_the_stopped_rank(run: Run, victim_pid: int, run_dir: 
     first = stacks.split('\nThread "')[0]
     assert first.startswith('Thread "TrainingThread') and ", entered the collective)" in first, stacks
     assert "in fit" in first and 'Thread "MainThread"' in stacks, stacks
+    # the run journal has the same line, before the restart it explains
+    shown = json.loads(subprocess.run([sys.executable, "-m", "ray_app", "runs", "show", str(run_dir), "--json"],
+                                      capture_output=True, text=True, timeout=60, check=True).stdout)
+    kinds = [(e["kind"], e.get("cause", "")) for e in shown["events"] if e["kind"] in ("hang_report", "restart")]
+    assert kinds[:1] == [("hang_report", lines[0])] and kinds[1][0] == "restart", kinds
     print(f"\n[faults] {lines[0]}")
     return int(m.group(5))
 
