@@ -115,6 +115,11 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer, optim_sd: dict)
     """A single-file checkpoint's optimizer state (``optimizer.state_dict()``: keyed by parameter index) into
     a sharded model's optimizer: re-keyed by parameter name, each rank cutting its shard."""
     names = [n for n, _ in model.named_parameters()]
+    live = [set(g) for g in optimizer.param_groups]  # a group's keys the live optimizer lacks (a scheduler's) stay out
+
+    def group(i: int, g: dict) -> dict:
+        return {k: v for k, v in g.items() if k in live[i]} | {"params": [names[p] for p in g["params"]]}
+
     by_name = {"state": {names[i]: s for i, s in optim_sd["state"].items()},
-               "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in optim_sd["param_groups"]]}
+               "param_groups": [group(i, g) for i, g in enumerate(optim_sd["param_groups"])]}
     set_optimizer_state_dict(model, optimizer, by_name, options=FULL)

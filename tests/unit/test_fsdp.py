@@ -101,11 +101,32 @@ def _world3_worker(rank: int, world: int, port: int, out: str, storage: str) -> 
     _finish()
 
 
+def _single_file_into_fsdp(rank: int, world: int, storage: str) -> dict:
+    """A checkpoint of the earlier single-file format (rank 0's model.pt and optimizer.pt, by parameter index)
+    loaded into a model sharded over ``world`` ranks, optimizer included."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from ray_app.strategy import FULL, fully_shard_model
+    from tests.support.checkpoints import write_checkpoint
+
+    if rank == 0:
+        write_checkpoint(os.path.join(storage, "single-file"), 3)
+    dist.barrier()
+    torch.manual_seed(123)  # other weights than the checkpoint's
+    model = fully_shard_model(torch.nn.Linear(5, 4), torch.device("cpu"), world)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    load_named_or_newest(os.path.join(storage, "single-file"), rank).load_into(model, optimizer)
+    state = get_optimizer_state_dict(model, optimizer, options=FULL)["state"]
+    return {"params": _full(model), "momentum": {k: v["momentum_buffer"].clone() for k, v in state.items()}}
+
+
 def _last_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
     _init(rank, world, port)
     results = {"eval1": _evaluate(rank, world, _cfg(storage, "e", FSDP), f"{storage}/fsdp-mid")}
     if world == 2:
         results["to2"] = _fit(rank, world, _cfg(storage, "to2", FSDP + EVERY5))
+        results["single_file"] = _single_file_into_fsdp(rank, world, storage)
     torch.save(results, os.path.join(out, f"last{world}-{rank}.pt"))
     _finish()
 
@@ -185,15 +206,25 @@ def test_export_is_the_unsharded_parameters_and_evaluation_at_1_2_3_workers_equa
         assert result["eval_loss"] == pytest.approx(loss, rel=1e-5), key
 
 
-def test_a_single_file_checkpoint_still_loads_under_both_strategies(tmp_path):
-    """A checkpoint of the earlier format (rank 0's model.pt) is found and loaded as before."""
-    from tests.support.checkpoints import write_checkpoint
+def test_a_single_file_checkpoint_still_loads_under_both_strategies(fsdp_runs, tmp_path):
+    """A checkpoint of the earlier format (rank 0's model.pt, optimizer.pt by parameter index) is found and
+    loaded as before, and into a model sharded over 2 ranks: its weights and its optimizer's momentum."""
+    from tests.support.checkpoints import tiny_payload, write_checkpoint
 
     path = write_checkpoint(tmp_path / "old", 7)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["format"] == catalog.SINGLE_FILE_FORMAT
     loaded = load_named_or_newest(str(tmp_path / "old"), rank=0)
     assert loaded.sharded is None and loaded.state["global_step"] == 7
+    model = torch.nn.Linear(5, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loaded.load_into(model, optimizer)  # a plain module (DDP's inside) takes it as it is
+    written = tiny_payload(3)
+    assert _equal(model.state_dict(), tiny_payload(7).model)
+    sharded = fsdp_runs["last2"]["single_file"]
+    assert _equal(sharded["params"], written.model)
+    for index, name in enumerate(("weight", "bias")):
+        assert torch.equal(sharded["momentum"][name], written.optimizer["state"][index]["momentum_buffer"]), name
 
 
 # ---------------------------------------------------------------- memory: a model whose state dominates
