@@ -535,7 +535,7 @@ def rows_d(r: Runner) -> list[dict]:
     sync, asyn = r.runs("d", "sync"), r.runs("d", "async")
     bs, ba = med(sync, "ckpt_blocked_s"), med(asyn, "ckpt_blocked_s")
     q = parse.ratio(ba, bs)
-    out = [_row("d", "blocked per checkpoint, async vs sync (s)", ba, bs, q, "<= 0.05", q is not None and q <= 0.05,
+    out = [_row("d", "blocked per checkpoint (sharded: each rank writes its share), async vs sync (s)", ba, bs, q, "<= 0.05", q is not None and q <= 0.05,
                 paired(asyn, sync, "ckpt_blocked_s") + " (async / sync)")]
     base = "final" if "final" in r.plan.specs["d"] else "none"
     e2e = {k: parse.median(_e2e(x) for x in r.runs("d", k)) for k in (base, "sync", "async")}
