@@ -4,7 +4,7 @@
 #      samples/s, MFU (bench/run.py --gpu, case a: resnet50 at 128 px; FLOPs per sample counted by
 #      torch.utils.flop_counter over the GPU's dense bf16 peak, 989 TFLOP/s for H100/H200)
 #   2. checkpoint cost: time training is blocked per checkpoint to S3 (moto on loopback), sync vs async (case d)
-#   3. DDP and FSDP on the same workload (bench/gpu_page.py strategies); FSDP only where the kit accepts
+#   3. DDP and FSDP on the same workload, samples/s and MFU of each (bench/gpu_page.py strategies); FSDP only where the kit accepts
 #      `train.strategy: fsdp` (`ray-app config keys`), otherwise the page says it was not run and why
 #   4. the GPU image's own `ray-app train` on the GPU (bench/gpu_page.py image) when Docker with the NVIDIA
 #      runtime and the image (IMAGE_GPU, default ray-app:0.1.0-gpu) are there, otherwise the page says which is missing

@@ -78,7 +78,18 @@ def strategies(out: Path, timeout: float) -> dict:
                           f"steady samples/s {fsdp.get('steady_sps')})")
     part["fsdp"] = _figures(fsdp)
     part["same_losses"] = parse.same_losses(ddp.get("losses", []), fsdp.get("losses", []), tol=1e-2)
+    part["mfu"] = mfu_figures(overrides, part["ddp"]["steady_sps"], part["fsdp"]["steady_sps"])
     return part
+
+
+def mfu_figures(overrides: tuple[str, ...], ddp_sps, fsdp_sps) -> dict:
+    """Model FLOP utilization of both runs (the same model: FLOPs per sample counted once, bench/flops.py)."""
+    from bench import flops, report
+
+    fps = flops.flops_per_sample(overrides)
+    peak, where = flops.peak_flops(report.gpu_name())
+    return {"flops_per_sample": fps, "peak": where, "ddp": flops.mfu(fps, ddp_sps, peak),
+            "fsdp": flops.mfu(fps, fsdp_sps, peak)}
 
 
 def _figures(run: dict) -> dict:
@@ -102,6 +113,10 @@ def strategies_section(part: dict) -> list[str]:
         rows += ["", f"FSDP / DDP samples/s: {_num(q, 3)}; the same losses at the logged steps (within 1 %): "
                  f"{ {True: 'yes', False: 'NO', None: 'n/a'}[part.get('same_losses')] }. On one GPU FSDP shards "
                  "nothing: this row checks the path runs and what its wrapping costs."]
+        m = part.get("mfu")
+        if m:
+            rows += ["", f"MFU ({m['flops_per_sample'] / 1e9:.2f} GFLOP/sample fwd+bwd by FlopCounterMode; peak "
+                     f"{m['peak']}): DDP {_num(m['ddp'], 3)}, FSDP {_num(m['fsdp'], 3)}."]
     return rows
 
 

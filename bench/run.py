@@ -14,7 +14,8 @@ hangs vs no tracking; (s) script mode: the twin itself under `ray-app run`
 vs torchrun, beside the plug-in mode's time to first step; (h, not in the default set) streamed shards:
 samples/s of workload (a) reading its data set as `ray-app data write` shards from moto over loopback vs the
 same samples map-style from memory; (v, not in the default set) start-up experiments
-with bench/variants.py. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
+with bench/variants.py; (z) FSDP: the kit with `train.strategy=fsdp` vs the twin's plain FSDP2 on workload
+(b), steady samples/s. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
 order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
 """
 
@@ -88,6 +89,8 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,s"
+DEFAULT_CASES += ",z"  # (z) FSDP: the kit vs the twin's plain FSDP2
+FSDP = ("train.strategy=fsdp",)  # case (z): the same --set for the kit and the twin
 VARIANT_NAMES = ("kit", "ray-poll", "nice0")
 SHARDS_PREFIX = "bench-shards"  # case (h): the shard set's prefix in the bench's S3 bucket
 
@@ -167,7 +170,8 @@ class Plan:
             "v": {name: kit(startup, variant=name, launch="cold", cpu_sample=True) for name in variants},
         }
         self.shard_sets["h"] = (w["compute"], shards_dest("h"), w["shard_mb"])
-
+        # FSDP: workload (b) (wide_mlp: its parameters and optimizer state dominate), kit vs the twin's plain FSDP2
+        self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP)}
 
     def _smoke_specs(self, w: dict) -> None:
         """Few processes, each serving several cases; they run concurrently (see Runner.jobs)."""
@@ -192,6 +196,7 @@ class Plan:
                       "s": {"ray-app run": Spec("script", w["comm"]), "torchrun": t2, "ray-app train": k3},
                       "p": {"a on": k4, "a off": Spec("kit", k4.overrides + ("failure.preemption_checkpoint=false",),
                                                       workers=1, launch="warm")}}
+        self.specs["z"] = {"kit": Spec("kit", w["comm"] + FSDP, launch="warm"), "twin": Spec("twin", w["comm"] + FSDP)}
 
     def _gpu_specs(self, w: dict) -> None:
         """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
@@ -530,7 +535,7 @@ def rows_d(r: Runner) -> list[dict]:
     sync, asyn = r.runs("d", "sync"), r.runs("d", "async")
     bs, ba = med(sync, "ckpt_blocked_s"), med(asyn, "ckpt_blocked_s")
     q = parse.ratio(ba, bs)
-    out = [_row("d", "blocked per checkpoint, async vs sync (s)", ba, bs, q, "<= 0.05", q is not None and q <= 0.05,
+    out = [_row("d", "blocked per checkpoint (sharded: each rank writes its share), async vs sync (s)", ba, bs, q, "<= 0.05", q is not None and q <= 0.05,
                 paired(asyn, sync, "ckpt_blocked_s") + " (async / sync)")]
     base = "final" if "final" in r.plan.specs["d"] else "none"
     e2e = {k: parse.median(_e2e(x) for x in r.runs("d", k)) for k in (base, "sync", "async")}
@@ -693,6 +698,7 @@ CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
              "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "h": rows_h, "p": rows_p, "s": rows_s,
              "t": rows_t, "v": rows_v}
+CASE_ROWS["z"] = _throughput("z", "FSDP (train.strategy=fsdp, wide_mlp; twin: plain fully_shard)", 0.97)
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)

@@ -12,7 +12,12 @@ the optimizer with its warmup + cosine LR schedule
 (global-mean loss with one all_reduce every ``train.log_every_steps``), exact
 evaluation after every epoch and at the end (all_gather). The loop, the
 collectives and the checkpoints are its own, plain torch:
-DistributedDataParallel with its defaults, gloo on CPU. Kit-only keys
+DistributedDataParallel with its defaults, gloo on CPU; with ``--set train.strategy=fsdp``
+plain FSDP2 instead: ``torch.distributed.fsdp.fully_shard`` on each of the units the kit picks
+(``ray_app.strategy.shard_units``, a pure function of the model and ``train.fsdp_units``), then on
+the root, with ``train.reshard_after_forward`` and, on a GPU with ``train.amp``, bf16 parameters and
+fp32 gradient reduction. ``train.grad_accum`` micro-steps accumulate locally (DDP's ``no_sync``,
+FSDP2's ``set_requires_gradient_sync(False)``) and sync on the last. Kit-only keys
 (checkpoint.*, metrics.*, failure.*) are ignored; with ``--ckpt-dir`` it saves
 ``torch.save`` checkpoints and resumes from them (for the recovery case, under
 ``torchrun --max-restarts``).
@@ -29,6 +34,7 @@ import time
 T_SCRIPT = time.time()  # before the heavy imports: python start-up is torchrun's share
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -47,6 +53,7 @@ from ray_app.config import load_config  # noqa: E402  (the kit's pure pieces: no
 from ray_app.ddp import ResumableDistributedSampler, seed_everything  # noqa: E402
 from ray_app.parts import build_optimizer  # noqa: E402
 from ray_app.plugins import build_data, build_model  # noqa: E402
+from ray_app.strategy import shard_units  # noqa: E402  (pure: which sub-modules are FSDP units)
 
 T_IMPORTS = time.time()
 
@@ -118,7 +125,10 @@ class Twin:
         self.stamps["data"] = time.time()
         seed_everything(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
         model = build_model(cfg, info).to(self.device)
-        if self.distributed:
+        self.fsdp = cfg.train.strategy == "fsdp"
+        if self.fsdp:
+            model = self.fully_shard(model)
+        elif self.distributed:
             model = DistributedDataParallel(model, bucket_cap_mb=cfg.train.bucket_cap_mb)
         elif self.args.data_parallel and self.device.type == "cuda":
             model = torch.nn.DataParallel(model)  # one process scatters each batch over the GPUs
@@ -137,10 +147,35 @@ class Twin:
         self.eval_loader = DataLoader(eval_set, batch_size=bs, sampler=eval_sampler,
                                       num_workers=cfg.data.loader_workers,
                                       generator=torch.Generator().manual_seed(cfg.run.seed))
-        self.steps_per_epoch = math.ceil(self.sampler.num_samples / bs)
+        self.batches_per_epoch = math.ceil(self.sampler.num_samples / bs)
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / cfg.train.grad_accum)
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
         self.opt, self.sched = build_optimizer(cfg, model, self.steps_per_epoch, self.total_steps)
         self.resume()
+
+    def fully_shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Plain FSDP2 over every rank: each unit, then the root (identical init on every rank: nothing is
+        broadcast)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not self.distributed:
+            raise SystemExit("twin.py: train.strategy=fsdp needs a process group (run it under torchrun)")
+        cfg = self.cfg
+        kwargs = {"mesh": init_device_mesh(self.device.type, (self.world,)),
+                  "reshard_after_forward": cfg.train.reshard_after_forward}
+        if self.amp:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in shard_units(model, cfg.train.fsdp_units):
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def no_sync(self):
+        """Non-final micro-steps: gradients accumulate locally (no all-reduce, no reduce-scatter)."""
+        if self.fsdp:
+            return _FsdpNoSync(self.model)
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
 
     def _ckpt_path(self) -> Path | None:
         return Path(self.args.ckpt_dir) / "twin.pt" if self.args.ckpt_dir else None
@@ -157,6 +192,8 @@ class Twin:
         self.resumed_from = self.step
 
     def save(self) -> None:
+        if self.fsdp:
+            raise SystemExit("twin.py: --ckpt-dir is for DDP (the bench saves no FSDP twin checkpoints)")
         if self.rank == 0:
             path = self._ckpt_path()
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,25 +249,33 @@ class Twin:
         self.epoch_loss = torch.zeros((), device=self.device)
         self.epoch_count = torch.zeros((), device=self.device)
         step_t0 = time.perf_counter()
+        accum = cfg.train.grad_accum
         for x, y in self.loader:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                loss = F.cross_entropy(self.model(x), y)
-            loss.backward()  # DDP all-reduces gradient buckets during backward
+            b = self.batches_done
+            group_size = min(accum, self.batches_per_epoch - (b - b % accum))
+            last_micro = b % accum + 1 == group_size
+            with contextlib.nullcontext() if last_micro else self.no_sync():
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                    loss = F.cross_entropy(self.model(x), y)
+                # DDP all-reduces gradient buckets during backward, FSDP reduce-scatters each unit's
+                (loss / group_size).backward()
+            self.batches_done += 1
+            loss_sum += loss.detach() * y.shape[0]
+            count += y.shape[0]
+            if not last_micro:
+                continue
             if cfg.train.clip_grad_norm:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.clip_grad_norm)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.sched.step()
             self.step += 1
-            self.batches_done += 1
-            loss_sum += loss.detach() * y.shape[0]
-            count += y.shape[0]
             now = time.perf_counter()
             if self.first_step_unix is None:
                 self.first_step_unix = time.time()
             self.steady.on_step(self.step - self.resumed_from, now, now - step_t0,
-                                cfg.data.batch_size * self.world)
+                                cfg.data.batch_size * accum * self.world)
             step_t0 = now
             if self.step % cfg.train.log_every_steps == 0:
                 self.log(loss_sum, count)
@@ -241,7 +286,7 @@ class Twin:
                 self.save()
             if self.done():
                 break
-        if self.batches_done >= self.steps_per_epoch:
+        if self.batches_done >= self.batches_per_epoch:
             if count.item():
                 self.log(loss_sum, count)
             self.train_loss = self.global_mean(self.epoch_loss + loss_sum, self.epoch_count + count)
@@ -272,11 +317,20 @@ class Twin:
                 "stamps": self.stamps}
 
 
+class _FsdpNoSync:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    if cfg.train.grad_accum != 1:
-        raise SystemExit("twin.py: train.grad_accum must be 1 (the bench never changes it)")
     twin = Twin(args, cfg)
     result = twin.fit()
     if twin.rank == 0:

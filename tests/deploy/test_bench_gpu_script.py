@@ -64,5 +64,11 @@ def test_the_page_says_what_was_not_run_and_why():
     assert "| fsdp | not run |" in text and "FSDP not run: this kit has no `train.strategy: fsdp`." in text
     both = gpu_page.strategies_section({"ddp": ddp, "fsdp": {**ddp, "steady_sps": 4610.0}, "same_losses": True})
     assert "FSDP / DDP samples/s: 0.900" in "\n".join(both) and "(within 1 %): yes" in "\n".join(both)
+    assert "MFU" not in "\n".join(both)  # no FLOP count, no MFU line
+    mfu = {"flops_per_sample": 7.9e9, "peak": "H200 data sheet, dense bf16", "ddp": 0.41, "fsdp": 0.385}
+    with_mfu = "\n".join(gpu_page.strategies_section({"ddp": ddp, "fsdp": {**ddp, "steady_sps": 4610.0},
+                                                       "same_losses": True, "mfu": mfu}))
+    assert "MFU (7.90 GFLOP/sample fwd+bwd by FlopCounterMode; peak H200 data sheet, dense bf16): DDP 0.410, " \
+           "FSDP 0.385." in with_mfu
     missing = "\n".join(gpu_page.image_section({"not_run": "Docker has no NVIDIA runtime"}))
     assert "Not run: Docker has no NVIDIA runtime." in missing
