@@ -195,7 +195,7 @@ class RecordingMetrics:
     """A metrics sink that remembers what the loop told it."""
 
     def __init__(self):
-        self.progress, self.evals, self.started = [], [], None
+        self.progress, self.evals, self.paces, self.started = [], [], [], None
 
     def start(self, **info):
         self.started = info
@@ -211,6 +211,9 @@ class RecordingMetrics:
     def on_checkpoint(self, **kw): ...
 
     def on_gpu_memory(self, **kw): ...
+
+    def on_rank_pace(self, rows):
+        self.paces.append(rows)
 
     def checkpoint_state(self):
         return {}
