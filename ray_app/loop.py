@@ -77,7 +77,8 @@ class Trainer:
         self.stats = stats or RunStats()
         self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0)
         self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device,  # every rank's pace (ray_app.pace)
-                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, say=self.print0)
+                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, say=self.print0,
+                         enabled=cfg.metrics.rank_pace)
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
                                    amp=self.amp, on_eval=metrics.on_eval)
         self.pos = Position()

@@ -130,16 +130,18 @@ class Pace:
     """This rank's step timing marks and the log interval's exchange (rank 0 exports and names)."""
 
     def __init__(self, rank: int, world_size: int, module: torch.nn.Module, metrics, device: torch.device,
-                 samples_per_step: int, say=print, watch: StragglerWatch | None = None):
+                 samples_per_step: int, say=print, watch: StragglerWatch | None = None, enabled: bool = True):
         self.rank, self.world_size, self.metrics, self.device, self.say = rank, world_size, metrics, device, say
+        self.enabled = enabled  # metrics.rank_pace; off: the loader as it is, no hooks, no all_gather
         self.samples_per_step = samples_per_step  # this rank's samples per optimizer step
         self.watch = watch or StragglerWatch()
         self.hosts: list[str] | None = None  # every rank's host, gathered at the first exchange
         self.sums = [0.0] * len(FIELDS)
         self._in_step = False  # forward hooks count only a training step's forward, not evaluation's
         self._t_batch = self._t_backward = self._t_last = self._t_forward = 0.0
-        module.register_forward_pre_hook(self._forward_starts)
-        module.register_forward_hook(self._forward_ends)
+        if enabled:
+            module.register_forward_pre_hook(self._forward_starts)
+            module.register_forward_hook(self._forward_ends)
 
     # ------------------------------------------------------------ marks (every step; perf_counter only)
     def _forward_starts(self, *_):
@@ -151,6 +153,9 @@ class Pace:
 
     def timed(self, loader):
         """The loader's batches, each ``next()`` timed as data wait."""
+        if not self.enabled:
+            yield from loader
+            return
         it = iter(loader)
         self._t_last = time.perf_counter()  # an epoch's start: the step's wall counts from here, not from eval
         while True:
@@ -165,11 +170,15 @@ class Pace:
             yield batch
 
     def backward_done(self) -> None:
+        if not self.enabled:
+            return
         self._in_step = False
         self._t_backward = time.perf_counter()
         self.sums[3] += self._t_backward - self._t_batch
 
     def stepped(self) -> None:
+        if not self.enabled:
+            return
         now = time.perf_counter()
         s = self.sums
         s[0] += 1
@@ -181,6 +190,8 @@ class Pace:
     def exchange(self, global_step: int) -> list[RankPace] | None:
         """Collective (every rank at the same step): one all_gather of every rank's sums; rank 0 exports
         them and names a rank that stays behind. Rank 0 gets the interval's rows, the others None."""
+        if not self.enabled:
+            return None
         if self.hosts is None:
             self.hosts = self._gather_hosts()
         mine = torch.tensor(self.sums, dtype=torch.float64)
