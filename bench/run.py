@@ -9,7 +9,8 @@ Cases: (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
 (g) metrics exporter on vs off; (p) the per-step preemption agreement on vs off, workloads
-of (a) and (b); (r) every rank's pace (timing marks, one all_gather per log interval) on vs off, the same; (t, not in the default set) MLflow tracking to a server that refuses and to one that
+of (a) and (b); (r) every rank's pace (timing marks, one all_gather per log interval) on vs off,
+the same; (t, not in the default set) MLflow tracking to a server that refuses and to one that
 hangs vs no tracking; (s) script mode: the twin itself under `ray-app run`
 vs torchrun, beside the plug-in mode's time to first step; (h, not in the default set) streamed shards:
 samples/s of workload (a) reading its data set as `ray-app data write` shards from moto over loopback vs the

@@ -51,8 +51,10 @@ METRICS = {
     "ray_app_goodput_ratio": ("gauge", "Share of the run's wall time in productive training, over the whole run (earlier attempts included)."),
     "ray_app_gpu_memory_allocated_bytes": ("gauge", "CUDA memory allocated by rank 0 (GPU runs only)."),
     "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
-    "ray_app_rank_step_seconds": ("gauge", "Each rank's own seconds per optimizer step over the last logging interval (data wait, forward, backward, optimizer; time waiting for other ranks left out)."),
-    "ray_app_rank_data_wait_seconds": ("gauge", "Each rank's seconds per optimizer step waiting for its next batch over the last logging interval."),
+    "ray_app_rank_step_seconds": ("gauge", "Each rank's own seconds per optimizer step over the last logging interval "
+                                  "(data wait, forward, backward, optimizer; time waiting for other ranks left out)."),
+    "ray_app_rank_data_wait_seconds": ("gauge", "Each rank's seconds per optimizer step waiting for its next batch "
+                                       "over the last logging interval."),
 }
 
 # name -> its label names (README and docs/metrics.md list them); every other metric has none.
