@@ -346,6 +346,7 @@ def _protocol_methods(protocol) -> dict:
     (Runtime, ("ray_app.worker:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
     (MetricsSink, ("ray_app.metrics:NullMetrics", "ray_app.metrics:PrometheusMetrics",
                    "ray_app.tracking:FanOutSink", "ray_app.tracking:MlflowSink", "ray_app.tracking:TensorBoardSink",
+                   "ray_app.journal:JournalSink",
                    "tests.unit.test_loop_ddp:RecordingMetrics")),
 ], ids=["Runtime", "MetricsSink"])
 def test_real_objects_and_test_fakes_satisfy_the_loops_protocols(protocol, implementations):
