@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ray_app.collectives import entered
+
 # the sums each rank contributes at a log interval, in this order
 FIELDS = ("steps", "data_wait", "forward", "forward_backward", "optimizer", "wall")
 
@@ -199,7 +201,8 @@ class Pace:
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             local = mine.to(self.device)
             gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-            dist.all_gather(gathered, local)  # sync point: all ranks, once per log interval
+            with entered("every rank's pace (all_gather)"):
+                dist.all_gather(gathered, local)  # sync point: all ranks, once per log interval
             sums = [t.tolist() for t in gathered]
         else:
             sums = [mine.tolist()]
@@ -214,7 +217,8 @@ class Pace:
         host = socket.gethostname()
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             hosts = [None] * self.world_size
-            dist.all_gather_object(hosts, host)  # sync point: all ranks, once per worker group
+            with entered("hosts (all_gather_object)"):
+                dist.all_gather_object(hosts, host)  # sync point: all ranks, once per worker group
             return [str(h) for h in hosts]
         return [host]
 
