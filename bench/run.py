@@ -9,7 +9,8 @@ Cases: (a) steady-state samples/s, compute-bound; (b) communication-bound;
 (c) time to first step, cold and warm, with the phases; (d) checkpoint cost to S3,
 sync vs async; (e) recovery after a worker SIGKILL; (f) scaling 1 -> 2 workers;
 (g) metrics exporter on vs off; (p) the per-step preemption agreement on vs off, workloads
-of (a) and (b); (t, not in the default set) MLflow tracking to a server that refuses and to one that
+of (a) and (b); (r) every rank's pace (timing marks, one all_gather per log interval) on vs off,
+the same; (t, not in the default set) MLflow tracking to a server that refuses and to one that
 hangs vs no tracking; (s) script mode: the twin itself under `ray-app run`
 vs torchrun, beside the plug-in mode's time to first step; (h, not in the default set) streamed shards:
 samples/s of workload (a) reading its data set as `ray-app data write` shards from moto over loopback vs the
@@ -53,7 +54,7 @@ def results_json_path(out: Path) -> Path:
 _COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
 WORKLOADS = {
     "full": {
-        # cases (a), (b), (f), (g), (p), (s): long enough that the steady state outweighs the first steps
+        # cases (a), (b), (f), (g), (p), (r), (s): long enough that the steady state outweighs the first steps
         "compute": (*_COMMON, "model.name=resnet18", "data.args.image_size=32", "data.args.num_samples=4096",
                     "data.batch_size=32", "train.epochs=2", "train.log_every_steps=5"),
         "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=32", "data.args.num_samples=1536",
@@ -88,7 +89,7 @@ WORKLOADS = {
     },
 }
 GPU_CASES = "a,c,d"
-DEFAULT_CASES = "a,b,c,d,e,f,g,p,s"
+DEFAULT_CASES = "a,b,c,d,e,f,g,p,r,s"
 DEFAULT_CASES += ",z"  # (z) FSDP: the kit vs the twin's plain FSDP2
 FSDP = ("train.strategy=fsdp",)  # case (z): the same --set for the kit and the twin
 VARIANT_NAMES = ("kit", "ray-poll", "nice0")
@@ -127,6 +128,7 @@ class Plan:
         startup = w["compute"] + ((f"train.max_steps={w['startup_steps']}",) if w["startup_steps"] else ())
         off = ("metrics.enabled=false",)
         no_notice = ("failure.preemption_checkpoint=false",)
+        no_pace = ("metrics.rank_pace=false",)
         one_worker = w["compute"] + (f"train.max_steps={w['one_worker_steps']}",)
         ckpt = {"none": w["ckpt"],
                 "final": w["ckpt"] + ("checkpoint.every_epochs=1000", "checkpoint.upload=async"),  # the end only
@@ -153,6 +155,9 @@ class Plan:
             # the preemption agreement: on is case (a)'s and (b)'s kit run, off a run of its own beside it
             "p": {"a on": kit(w["compute"]), "a off": kit(w["compute"] + no_notice),
                   "b on": kit(w["comm"]), "b off": kit(w["comm"] + no_notice)},
+            # every rank's pace: on is case (a)'s and (b)'s kit run (log every 5 steps), off a run of its own
+            "r": {"a on": kit(w["compute"]), "a off": kit(w["compute"] + no_pace),
+                  "b on": kit(w["comm"]), "b off": kit(w["comm"] + no_pace)},
             # script mode: the twin, a torchrun-style script, unchanged under `ray-app run` (case (a)'s twin run)
             "s": {"ray-app run": Spec("script", w["compute"]), "torchrun": twin(w["compute"]),
                   "ray-app train": kit(w["compute"])},
@@ -195,7 +200,9 @@ class Plan:
                       "g": {"on": k1, "off": k4}, "h": {"map-style": k4, "streamed": k5},
                       "s": {"ray-app run": Spec("script", w["comm"]), "torchrun": t2, "ray-app train": k3},
                       "p": {"a on": k4, "a off": Spec("kit", k4.overrides + ("failure.preemption_checkpoint=false",),
-                                                      workers=1, launch="warm")}}
+                                                      workers=1, launch="warm")},
+                      "r": {"a on": k3, "a off": Spec("kit", k3.overrides + ("metrics.rank_pace=false",),
+                                                      launch="warm")}}
         self.specs["z"] = {"kit": Spec("kit", w["comm"] + FSDP, launch="warm"), "twin": Spec("twin", w["comm"] + FSDP)}
 
     def _gpu_specs(self, w: dict) -> None:
@@ -660,20 +667,29 @@ def _v(run: dict, key: str):
     return tail_s(run) if key == "tail_s" else run.get(key)
 
 
-def rows_p(r: Runner) -> list[dict]:
-    """Cost of the preemption agreement (one overlapped all-reduce per step) = 1 - the median of the
-    per-round on/off ratios, for the workloads of (a) and (b)."""
-    out = []
-    for w, title in (("a", "compute-bound"), ("b", "communication-bound")):
-        if f"{w} on" not in r.plan.specs["p"]:
-            continue  # the smoke measures one workload
-        ons, offs = r.runs("p", f"{w} on"), r.runs("p", f"{w} off")
-        q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(ons, offs))
-        cost = 1 - q if q is not None else None
-        out.append(_row("p", f"preemption agreement on vs off, {title} ({w}), steady samples/s (ratio = cost, "
-                        "from the median per-round ratio)", med(ons, "steady_sps"), med(offs, "steady_sps"), cost,
-                        "<= 0.005", cost is not None and cost <= 0.005, paired(ons, offs, "steady_sps") + " (on / off)"))
-    return out
+def _on_off_cost(case: str, what: str):
+    """Cost of ``what`` = 1 - the median of the per-round on/off ratios of steady samples/s, for the workloads
+    of (a) and (b)."""
+    def rows(r: Runner) -> list[dict]:
+        out = []
+        for w, title in (("a", "compute-bound"), ("b", "communication-bound")):
+            if f"{w} on" not in r.plan.specs[case]:
+                continue  # the smoke measures one workload
+            ons, offs = r.runs(case, f"{w} on"), r.runs(case, f"{w} off")
+            q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(ons, offs))
+            cost = 1 - q if q is not None else None
+            out.append(_row(case, f"{what} on vs off, {title} ({w}), steady samples/s (ratio = cost, "
+                            "from the median per-round ratio)", med(ons, "steady_sps"), med(offs, "steady_sps"), cost,
+                            "<= 0.005", cost is not None and cost <= 0.005,
+                            paired(ons, offs, "steady_sps") + " (on / off)"))
+        return out
+    return rows
+
+
+# one overlapped all-reduce per step
+rows_p = _on_off_cost("p", "preemption agreement")
+# perf_counter marks per step, one all_gather of a few floats per log interval
+rows_r = _on_off_cost("r", "every rank's pace")
 
 
 def rows_s(r: Runner) -> list[dict]:
@@ -696,7 +712,7 @@ def rows_s(r: Runner) -> list[dict]:
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
-             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "h": rows_h, "p": rows_p, "s": rows_s,
+             "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "h": rows_h, "p": rows_p, "r": rows_r, "s": rows_s,
              "t": rows_t, "v": rows_v}
 CASE_ROWS["z"] = _throughput("z", "FSDP (train.strategy=fsdp, wide_mlp; twin: plain fully_shard)", 0.97)
 

@@ -171,6 +171,9 @@ class MetricsSection:
 
     enabled: bool = _f(True, "Rank 0 serves Prometheus metrics.")
     port: int = _f(9500, "Port of rank 0's /metrics endpoint.", min=1, max=65535)
+    rank_pace: bool = _f(True, "Every rank's own step time and data wait reach rank 0 in one all_gather per "
+                         "train.log_every_steps (per rank and host in Prometheus, and a progress line naming a rank "
+                         "that stays behind); false: no timing marks and no all_gather.")
 
 
 @dataclass

@@ -447,6 +447,8 @@ class JournalSink:
 
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
 
+    def on_rank_pace(self, rows) -> None: ...
+
     def checkpoint_state(self) -> dict:
         return {}
 

@@ -48,6 +48,7 @@ from ray_app.ddp import to_device
 from ray_app.errors import Preempted, Stopped
 from ray_app.evaluation import Evaluator
 from ray_app.guards import LossContract, NonFinite
+from ray_app.pace import Pace
 from ray_app.parts import Parts, Runtime
 from ray_app.preemption import STOP, TRAINING, Agreement
 from ray_app.progress import MetricsSink, Progress, RunStats
@@ -75,6 +76,9 @@ class Trainer:
         self.amp = cfg.train.amp and self.device.type == "cuda"  # bf16 autocast: no loss scaling (no GradScaler)
         self.stats = stats or RunStats()
         self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0)
+        self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device,  # every rank's pace (ray_app.pace)
+                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, say=self.print0,
+                         enabled=cfg.metrics.rank_pace)
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
                                    amp=self.amp, on_eval=metrics.on_eval)
         self.pos = Position()
@@ -155,23 +159,26 @@ class Trainer:
         parts.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + epoch)
         self.progress.new_epoch(self.pos.global_step)
         step_t0 = time.perf_counter()
-        for batch in parts.train_loader:
+        for batch in self.pace.timed(parts.train_loader):  # next() timed: this rank's data wait
             b = self.pos.batches_done
             group_start = b - b % accum
             group_size = min(accum, parts.batches_per_epoch - group_start)
             last_micro = (b - group_start + 1) == group_size
             loss, n = self._forward_backward(to_device(batch, self.device), group_size, sync=last_micro)
+            self.pace.backward_done()
             self.progress.add(loss, n)
             self.pos.batches_done += 1
             self.pos.samples_done += cfg.data.batch_size * self.world_size  # full batches until the epoch's last
             if not last_micro:
                 continue
             self._optimizer_step()
+            self.pace.stepped()
             now = time.perf_counter()
             self.metrics.on_step(now - step_t0)
             step_t0 = now
             if self.pos.global_step % cfg.train.log_every_steps == 0:
                 self.progress.log(epoch=self.pos.epoch, global_step=self.pos.global_step, lr=self._lr())
+                self.pace.exchange(self.pos.global_step)  # sync point: every rank's pace, one all_gather
             self.leaving = max(self.leaving, self.preemption.poll())  # 0, PREEMPT or STOP
             if self.ckpt.due(self.pos):  # the checkpointer's cadence (every_steps; never the last step)
                 self.checkpoint()

@@ -51,12 +51,18 @@ METRICS = {
     "ray_app_goodput_ratio": ("gauge", "Share of the run's wall time in productive training, over the whole run (earlier attempts included)."),
     "ray_app_gpu_memory_allocated_bytes": ("gauge", "CUDA memory allocated by rank 0 (GPU runs only)."),
     "ray_app_gpu_memory_max_allocated_bytes": ("gauge", "Peak CUDA memory allocated by rank 0 (GPU runs only)."),
+    "ray_app_rank_step_seconds": ("gauge", "Each rank's own seconds per optimizer step over the last logging interval "
+                                  "(data wait, forward, backward, optimizer; time waiting for other ranks left out)."),
+    "ray_app_rank_data_wait_seconds": ("gauge", "Each rank's seconds per optimizer step waiting for its next batch "
+                                       "over the last logging interval."),
 }
 
 # name -> its label names (README and docs/metrics.md list them); every other metric has none.
 METRIC_LABELS = {
     "ray_app_info": ("run", "model", "dataset", "task", "version"),
     "ray_app_eval_metric": ("name",),
+    "ray_app_rank_step_seconds": ("rank", "host"),
+    "ray_app_rank_data_wait_seconds": ("rank", "host"),
 }
 
 # The single-metric eval gauges from before tasks named their metrics: the task's
@@ -143,6 +149,7 @@ class NullMetrics:
     def on_checkpoint(self, *, blocked_seconds) -> None: ...
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
     def on_goodput(self, ratio: float) -> None: ...
+    def on_rank_pace(self, rows) -> None: ...
     def checkpoint_state(self) -> dict:
         return {}
     def close(self) -> None: ...
@@ -195,6 +202,9 @@ class PrometheusMetrics(NullMetrics):
         self.goodput = g("ray_app_goodput_ratio")
         self.gpu_alloc = g("ray_app_gpu_memory_allocated_bytes")
         self.gpu_max = g("ray_app_gpu_memory_max_allocated_bytes")
+        # one series per rank of this worker group (a restarted group's rank 0 has a registry of its own)
+        self.rank_step = g("ray_app_rank_step_seconds", METRIC_LABELS["ray_app_rank_step_seconds"])
+        self.rank_data_wait = g("ray_app_rank_data_wait_seconds", METRIC_LABELS["ray_app_rank_data_wait_seconds"])
 
     def start(self, *, run, model, dataset, task, version, world_size, resumed_from_step, global_step=0, epoch=0,
               use_gpu=False, last_checkpoint_unix=0.0, tracking=None) -> None:
@@ -282,6 +292,14 @@ class PrometheusMetrics(NullMetrics):
     def on_goodput(self, ratio: float) -> None:
         """The run's goodput so far (``ray_app.journal.account``), set by rank 0's journal."""
         self.goodput.set(ratio)
+        self.updated_at = time.monotonic()
+
+    def on_rank_pace(self, rows) -> None:
+        """``rows``: every rank's ``ray_app.pace.RankPace`` over the last logging interval."""
+        for p in rows:
+            labels = {"rank": str(p.rank), "host": p.host}
+            self.rank_step.labels(**labels).set(p.step_seconds)
+            self.rank_data_wait.labels(**labels).set(p.data_wait_seconds)
         self.updated_at = time.monotonic()
 
     def final_scrape(self) -> bool:

@@ -33,6 +33,8 @@ class MetricsSink(Protocol):
 
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
 
+    def on_rank_pace(self, rows) -> None: ...  # every rank's pace at a log interval (ray_app.pace.RankPace rows)
+
     def checkpoint_state(self) -> dict: ...  # kept in each checkpoint; given back to start(tracking=...) on resume
 
     def close(self) -> None: ...

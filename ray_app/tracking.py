@@ -97,6 +97,10 @@ class FanOutSink:
         for s in self.sinks:
             s.on_gpu_memory(allocated=allocated, max_allocated=max_allocated)
 
+    def on_rank_pace(self, rows) -> None:
+        for s in self.sinks:
+            s.on_rank_pace(rows)
+
     def checkpoint_state(self) -> dict:
         out: dict = {}
         for s in self.sinks:
@@ -124,6 +128,8 @@ class _TrackerBase:
     def on_checkpoint(self, *, blocked_seconds) -> None: ...
 
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
+
+    def on_rank_pace(self, rows) -> None: ...
 
     def checkpoint_state(self) -> dict:
         return {}

@@ -293,3 +293,27 @@ def test_the_default_job_runs_as_on_a_laptop_nothing_scraping_its_exporter():
     c = Plan("full", ("kit",)).specs["c"]
     assert c["kit default"].metrics_on and not c["kit default"].scraped
     assert c["kit cold"].scraped and c["kit warm"].scraped
+
+
+def test_case_r_turns_every_ranks_pace_off_only_and_reports_the_median_round_cost(tmp_path):
+    """(r): "off" is the "on" run with metrics.rank_pace=false, nothing else changed; "on" is case (a)'s and
+    (b)'s kit run; the row's ratio is 1 - the median of the per-round on / off ratios."""
+    from bench.run import Plan, Runner, rows_r
+
+    for size in ("full", "smoke"):
+        specs = Plan(size, ("kit",)).specs["r"]
+        on, off = specs["a on"], specs["a off"]
+        assert off.overrides == on.overrides + ("metrics.rank_pace=false",) and on.value("metrics.rank_pace") is None
+        assert (off.workers, off.launch) == (on.workers, on.launch)
+    plan = Plan("full", ("kit",))
+    assert plan.specs["r"]["a on"] == plan.specs["a"]["kit"] and plan.specs["r"]["b on"] == plan.specs["b"]["kit"]
+    runner = Runner(plan, ["r"], 3, tmp_path)
+    sps = {"a on": (99.0, 100.0, 101.0), "a off": (100.0, 100.0, 100.0),  # ratios 0.99, 1.0, 1.01
+           "b on": (50.0, 49.0, 50.0), "b off": (50.0, 50.0, 49.0)}  # ratios 1.0, 0.98, 1.0204
+    for rnd in range(3):
+        for spec, label in runner.schedule(rnd).items():
+            name = label.split("/")[1].split(" round")[0]
+            runner.results[(spec, rnd)] = _fake_run(label, sps[name][rnd])
+    a, b = rows_r(runner)
+    assert a["ratio"] == pytest.approx(0.0) and a["ok"] and a["target"] == "<= 0.005"
+    assert b["ratio"] == pytest.approx(0.0) and "every rank's pace on vs off" in b["metric"]

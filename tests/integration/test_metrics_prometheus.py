@@ -3,8 +3,10 @@
 Debian's `prometheus` runs on 127.0.0.1 with a 1 s scrape interval, the
 shipped alert rules, and the compose path's discovery: rank 0 writes its own
 file_sd target (RAY_APP_METRICS_SD_DIR) and Prometheus finds it there. One
-`ray-app train` run (local Ray, 2 CPU workers) serves the whole module; the
-tests run in order: scrape, one exporter, kill rank 0, clean end.
+`ray-app train` run (local Ray, 2 CPU workers) serves the whole module; its
+rank 1 reads its first 40 batches slowly (0.1 s each, a data plug-in that
+sleeps on that rank, first worker group only). The tests run in order: scrape,
+the slowed rank named and shown, one exporter, kill rank 0, clean end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "monitoring" / "rules" / "ray-app.rules.yml"
 RUN = "metrics-it"
+SLOW_DATA = "tests.support.faulty_data:slow_rank"
 
 
 def require(binary: str) -> str:
@@ -149,7 +153,8 @@ class TrainingRun:
         cmd.append("train")
         overrides = {
             "run.name": RUN, "run.storage": str(self.storage),
-            "data.name": "synthetic", "data.args.num_samples": 4096, "model.name": "mlp",
+            "data.name": SLOW_DATA, "model.name": "mlp",
+            "data.args": f"{{name: synthetic, num_samples: 4096, rank: 1, delay_s: 0.1, batches: 40, once: {tmp / 'slowed'}}}",
             "train.epochs": 10, "train.log_every_steps": 5,
             "checkpoint.every_steps": 20, "checkpoint.every_epochs": 1,
             "scaling.num_workers": 2, "failure.max_failures": 2,
@@ -158,12 +163,18 @@ class TrainingRun:
         for key, value in overrides.items():
             cmd += ["--set", f"{key}={value}"]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not someone's cluster
-        env.update({"RAY_APP_METRICS_SD_DIR": str(sd_dir), "RAY_APP_METRICS_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1"})
+        env.update({"RAY_APP_METRICS_SD_DIR": str(sd_dir), "RAY_APP_METRICS_HOST": "127.0.0.1", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))})  # the slow data
         self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=self.stdout.open("w"), stderr=self.log.open("w"),
                                      start_new_session=True)
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(line for f in (self.stdout, self.log) for line in f.read_text(errors="replace").splitlines()[-lines:])
+
+    def stragglers(self) -> list[str]:
+        """Rank 0's lines naming a rank that stays behind (each once, wherever Ray forwarded it)."""
+        text = self.stdout.read_text(errors="replace") + self.log.read_text(errors="replace")
+        return sorted(set(re.findall(r"straggler: .*", text)))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -213,7 +224,7 @@ def test_prometheus_scrapes_loss_throughput_and_a_growing_step(stack):
     assert prom.scalar("ray_app_samples_per_second") > 0
     assert prom.scalar("ray_app_world_size") == 2
     (info, _), = prom.query("ray_app_info")
-    assert (info["run"], info["model"], info["dataset"]) == (RUN, "mlp", "synthetic")
+    assert (info["run"], info["model"], info["dataset"]) == (RUN, "mlp", SLOW_DATA)
     second = wait_for("the global step to grow between scrapes",
                       lambda: (s := prom.scalar("ray_app_global_step")) is not None and s > first and s, 60)
     print(f"global step {first:.0f} -> {second:.0f} in {time.monotonic() - t0:.1f}s; loss {loss[0]:.3f}")
@@ -221,6 +232,28 @@ def test_prometheus_scrapes_loss_throughput_and_a_growing_step(stack):
     groups = prom.get("/api/v1/rules")["groups"]
     assert {r["health"] for g in groups for r in g["rules"]} == {"ok"}, groups
     wait_for("the recorded throughput", lambda: prom.scalar("ray_app:samples_processed:rate1m"), 30)
+
+
+def test_a_slowed_rank_is_named_with_its_host_within_three_intervals_and_prometheus_shows_it(stack):
+    prom, run = stack
+    serving(prom, run)
+    (line,) = wait_for("rank 0's line naming the slowed rank", run.stragglers, 120, on_timeout=run.tail)
+    print(line)
+    m = re.match(r"straggler: rank (\d+) on host (\S+) is behind for 3 log intervals to step (\d+):", line)
+    assert m, line
+    assert (m.group(1), m.group(2)) == ("1", socket.gethostname()) and int(m.group(3)) <= 15  # 3 intervals of 5
+    assert "its data wait explains it" in line
+    # the per-rank series in Prometheus, labelled with rank and host: rank 1 well above rank 0 while it was slow
+    host = socket.gethostname()
+    window = "[10m]"
+    slow = wait_for("rank 1's slow steps in Prometheus", lambda: prom.scalar(
+        f'max_over_time(ray_app_rank_step_seconds{{rank="1", host="{host}"}}{window})'), 30)
+    fast = prom.scalar(f'quantile_over_time(0.5, ray_app_rank_step_seconds{{rank="0", host="{host}"}}{window})')
+    slow_wait = prom.scalar(f'max_over_time(ray_app_rank_data_wait_seconds{{rank="1", host="{host}"}}{window})')
+    fast_wait = prom.scalar(f'quantile_over_time(0.5, ray_app_rank_data_wait_seconds{{rank="0", host="{host}"}}{window})')
+    print(f"Prometheus: rank 1 {slow:.3f} s own per step (data wait {slow_wait:.3f} s), "
+          f"rank 0's median {fast:.3f} s (data wait {fast_wait:.3f} s)")
+    assert slow > 0.05 and slow > 3 * fast and slow_wait > 0.05 > fast_wait
 
 
 def test_exactly_one_process_serves_metrics(stack):
@@ -283,6 +316,7 @@ def test_clean_end_withdraws_the_target(stack):
     assert run.proc.returncode == 0, run.tail()
     summary = json.loads(run.stdout.read_text().strip().splitlines()[-1])
     assert summary["resumed_from_step"] > 0
+    assert len(run.stragglers()) == 1  # the slowed window only: no other rank, interval or worker group named
     assert not run.sd_file.exists()
     wait_for("Prometheus to drop the finished run's target", lambda: prom.targets() == [], 30)
     assert listeners(run.port) == []

@@ -1,8 +1,11 @@
 """Data plug-ins with the user's own bugs, for the fault tests: ragged samples (the default collate cannot
 stack them) and a ``__getitem__`` that raises. Each build appends a line to ``attempts`` so a test counts
-the worker-group attempts."""
+the worker-group attempts. And a rank slowed, by its data or by its forward, for every rank's pace."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 
@@ -64,3 +67,56 @@ class FlakyTask:
 
     def evaluate(self, model, batch):
         return self.inner.evaluate(model, batch)
+
+
+# ---------------------------------------------------------------- one rank slowed (every rank's pace)
+
+class SlowOnOneRank(torch.utils.data.Dataset):
+    """A train set that sleeps ``delay_s`` per batch of ``batch_size`` on one rank, for its first ``batches``
+    batches (0: all of them): a data loader that falls behind on one node."""
+
+    def __init__(self, inner, delay_s: float, batch_size: int, batches: int):
+        self.inner, self.per_item, self.items_left = inner, delay_s / batch_size, batches * batch_size or -1
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        if self.items_left != 0:
+            self.items_left -= 1
+            time.sleep(self.per_item)
+        return self.inner[i]
+
+
+def slow_rank(name: str = "synthetic", rank: int = 1, delay_s: float = 0.1, batch_size: int = 32, batches: int = 0,
+              once: str = "", **args):
+    """A built-in data set (``name``) whose train set is slow on rank ``rank`` (``SlowOnOneRank``). With
+    ``once`` (a file path), only in the first worker group that builds it: the file is created then."""
+    import torch.distributed as dist
+
+    from ray_app import data
+
+    train, eval_set, info = getattr(data, name)(**args)
+    first = not once or not os.path.exists(once)
+    if dist.is_initialized() and dist.get_rank() == rank and first:
+        if once:
+            open(once, "a").close()
+        train = SlowOnOneRank(train, delay_s, batch_size, batches)
+    return train, eval_set, info
+
+
+class SlowForwardNet(torch.nn.Module):
+    """Digits (1x8x8) -> 10 classes, whose forward sleeps ``delay_s`` on rank ``rank`` while training: a rank
+    whose compute is slow (a throttled node, a slower device), not its data."""
+
+    def __init__(self, rank: int = 1, delay_s: float = 0.05):
+        super().__init__()
+        self.rank, self.delay_s = rank, delay_s
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized() and dist.get_rank() == self.rank:
+            time.sleep(self.delay_s)
+        return self.net(x)

@@ -195,7 +195,7 @@ class RecordingMetrics:
     """A metrics sink that remembers what the loop told it."""
 
     def __init__(self):
-        self.progress, self.evals, self.started = [], [], None
+        self.progress, self.evals, self.paces, self.started = [], [], [], None
 
     def start(self, **info):
         self.started = info
@@ -211,6 +211,9 @@ class RecordingMetrics:
     def on_checkpoint(self, **kw): ...
 
     def on_gpu_memory(self, **kw): ...
+
+    def on_rank_pace(self, rows):
+        self.paces.append(rows)
 
     def checkpoint_state(self):
         return {}
@@ -343,6 +346,7 @@ def _protocol_methods(protocol) -> dict:
     (Runtime, ("ray_app.worker:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
     (MetricsSink, ("ray_app.metrics:NullMetrics", "ray_app.metrics:PrometheusMetrics",
                    "ray_app.tracking:FanOutSink", "ray_app.tracking:MlflowSink", "ray_app.tracking:TensorBoardSink",
+                   "ray_app.journal:JournalSink",
                    "tests.unit.test_loop_ddp:RecordingMetrics")),
 ], ids=["Runtime", "MetricsSink"])
 def test_real_objects_and_test_fakes_satisfy_the_loops_protocols(protocol, implementations):

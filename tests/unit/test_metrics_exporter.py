@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
 from ray_app.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRIC_LABELS, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
+from ray_app.pace import RankPace
 from tests.support.ports import free_port
 from tests.support.tools import promtool
 
@@ -45,6 +46,8 @@ def drive(m: PrometheusMetrics, use_gpu: bool = True, run: str = "unit-run", eva
         m.on_step(0.012)
         if step % 10 == 0:
             m.on_progress(epoch=1, global_step=step, lr=0.05, train_loss=0.7, samples=640, samples_per_second=5120.0)
+            m.on_rank_pace([RankPace(rank=r, host=f"w{r}", step_seconds=0.01 + 0.1 * r, data_wait_seconds=0.1 * r,
+                                     wall_seconds=0.12, samples_per_second=266.0) for r in range(2)])
     if use_gpu:
         m.on_gpu_memory(allocated=123_456_789, max_allocated=234_567_890)
     for values in evals:
@@ -165,7 +168,8 @@ def test_user_task_metric_names_and_import_paths_are_served_as_label_values():
     assert (info["model"], info["dataset"], info["task"]) == ("acme.model:Net", "acme.data:build", "acme.task:MyTask")
 
 
-@pytest.mark.parametrize("method", ["start", "on_step", "on_progress", "on_eval", "on_checkpoint", "on_gpu_memory", "close"])
+@pytest.mark.parametrize("method", ["start", "on_step", "on_progress", "on_eval", "on_checkpoint", "on_gpu_memory",
+                                    "on_rank_pace", "close"])
 def test_null_sink_takes_the_same_calls_as_the_exporter(method):
     """Other ranks get NullMetrics: a call the exporter would reject must fail there too, not only on rank 0."""
     def params(cls):
