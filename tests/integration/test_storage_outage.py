@@ -112,7 +112,7 @@ def test_an_outage_shorter_than_the_budget_is_waited_out(s3, proxy):
     shown = runs_show(s3, run)
     assert shown["state"] == "finished" and shown["last_step"] == EPOCHS * STEPS_PER_EPOCH, shown["state"]
     outages = [e for e in shown["events"] if e["kind"] == "outage"]
-    assert any(re.search(r"upload of \S+/model\.pt", e["during"]) and 20 <= e["seconds"] <= 120 and
+    assert any(re.search(r"upload of \S+/model/__0_0\.distcp", e["during"]) and 20 <= e["seconds"] <= 120 and
                e["where"].startswith(f"s3://{s3.bucket}") for e in outages), outages
     kinds = [e["kind"] for e in shown["events"]]
     assert "restart" not in kinds and kinds.count("attempt") == 1 and kinds[-1] == "end", kinds
