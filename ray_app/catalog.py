@@ -147,6 +147,15 @@ def verify(storage, rel: str, name: str | None = None, fmt: str | None = None) -
     return Verification(v.name, not problems, problems, v.manifest)
 
 
+def sha256_file(path) -> str:
+    """The sha256 of a local file, read in 1 MiB chunks (what a manifest records of each file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def read_verified(storage, rel: str, files: dict, name: str) -> bytes:
     """One file of a checkpoint, read once and hashed against its manifest entry (``files``: the manifest's);
     CheckpointDamaged if it does not match."""

@@ -19,7 +19,6 @@ A ``ray-app run`` script's checkpoints (``ray_app.script.save``) live the same w
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import json
 import logging
@@ -35,18 +34,10 @@ import numpy as np
 import torch
 
 from ray_app import catalog
-from ray_app.catalog import FORMAT, MANIFEST, SHARDED_FORMAT, SINGLE_FILE_FORMAT, Verification, check_manifest, checkpoint_dir_name, read_verified
+from ray_app.catalog import FORMAT, MANIFEST, SHARDED_FORMAT, SINGLE_FILE_FORMAT, Verification, check_manifest, checkpoint_dir_name, read_verified, sha256_file
 from ray_app.errors import CheckpointDamaged, CheckpointError, first_line
 
 log = logging.getLogger("ray_app.checkpoint")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- RNG state

@@ -34,18 +34,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from ray_app.catalog import MANIFEST, SHARDED_FORMAT, read_verified
+from ray_app.catalog import MANIFEST, SHARDED_FORMAT, read_verified, sha256_file
 from ray_app.errors import CheckpointError, StorageError
 
 PARTS = "parts"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- writing one rank's share
@@ -88,7 +80,7 @@ def upload_share(local: Path, storage, rel: str, rank: int) -> dict:
     files = {}
     for f in sorted(p for p in local.rglob("*") if p.is_file()):
         name = f.relative_to(local).as_posix()
-        files[name] = {"sha256": _sha256(f), "bytes": f.stat().st_size}
+        files[name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
         storage.upload_file(str(f), f"{rel}/{name}")
     part = local / PARTS / f"rank_{rank}.json"
     part.parent.mkdir(parents=True, exist_ok=True)

@@ -292,7 +292,8 @@ def memory(tmp_path_factory, port_picker, monkeypatch_module):
     for strategy in ("ddp", "fsdp"):
         _spawn(_memory_worker, 2, port_picker(), str(out), strategy)
         for upload in ("sync", "async"):
-            found[strategy, upload] = [torch.load(out / f"mem-{strategy}-{upload}-{r}.pt") for r in (0, 1)]
+            found[strategy, upload] = [torch.load(out / f"mem-{strategy}-{upload}-{r}.pt", weights_only=True)
+                                      for r in (0, 1)]
     print("\n[memory] per-rank peak MB above the start (train, checkpoint):",
           {f"{s}-{u}": [(round(m["train_peak"]), round(m["checkpoint_peak"])) for m in v] for (s, u), v in found.items()})
     return found
