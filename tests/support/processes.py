@@ -37,9 +37,55 @@ def run_cli(args: list[str], env: dict | None = None, timeout: float = 120, cwd:
         else:
             full_env[key] = value
     command = [str(Path(sys.executable).parent / "ray-app")] if console_script else [sys.executable, "-m", "ray_app"]
-    proc = subprocess.run([*command, *args], cwd=str(cwd or REPO), env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
+    # a session of its own: a command past its timeout is ended with the local Ray it started
+    with subprocess.Popen([*command, *args], cwd=str(cwd or REPO), env=full_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:  # what it printed before it was killed: why it hung
+            snapshot = busiest()
+            _kill_group(proc)
+            exc.stdout, exc.stderr = proc.communicate()
+            raise CommandTimedOut(exc, "ray-app " + " ".join(args), snapshot) from None
+    return proc.returncode, stdout, stderr
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        proc.kill()
+
+
+class CommandTimedOut(AssertionError):
+    """A command run by ``run_cli`` past its timeout, with the tails of what it printed."""
+
+    def __init__(self, exc: subprocess.TimeoutExpired, command: str, processes: str):
+        def tail(text) -> str:
+            if isinstance(text, bytes):
+                text = text.decode(errors="replace")
+            return (text or "")[-4000:]
+
+        super().__init__(f"{command} timed out after {exc.timeout:g} s\n--- stdout (tail):\n{tail(exc.stdout)}"
+                         f"\n--- stderr (tail):\n{tail(exc.stderr)}\n--- busiest processes:\n{processes}")
+
+
+def busiest(n: int = 12) -> str:
+    """This machine's processes by CPU time used, one line each: what a hung command's machine was doing."""
+    import psutil
+
+    rows = []
+    for p in psutil.process_iter(["pid", "name", "cmdline", "cpu_times", "memory_info", "status"]):
+        try:
+            cpu = sum(p.info["cpu_times"][:2]) if p.info["cpu_times"] else 0.0
+            rss = p.info["memory_info"].rss >> 20 if p.info["memory_info"] else 0
+            cmd = " ".join(p.info["cmdline"] or [p.info["name"] or ""])[:160]
+            rows.append((cpu, f"{p.info['pid']:>7} {cpu:8.1f}s {rss:6d}MB {p.info['status']:<9} {cmd}"))
+        except (psutil.Error, TypeError):
+            continue
+    return "\n".join(line for _, line in sorted(rows, reverse=True)[:n])
 
 
 def train_workers(pid: int) -> list:
