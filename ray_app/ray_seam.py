@@ -89,6 +89,11 @@ ASSUMPTIONS: list[Assumption] = [
                "a sweep's stopped trial keeps its workers' placement group until the sweep ends (trials after it "
                "may wait for CPUs)",
                _has("ray.train.v2._internal.execution.callback", "WorkerGroupCallback.after_worker_group_start")),
+    Assumption("tune_without_credential_copies", "ray.tune.execution.class_cache:ENV_VARS_TO_PROPAGATE (a set of "
+                                                 "names Tune copies into each trial actor's runtime_env)",
+               "a sweep's trial actors get the driver's AWS keys in their runtime_env: Ray writes them in its "
+               "runtime-env agent's log and the actors' command lines",
+               _has("ray.tune.execution.class_cache", "ENV_VARS_TO_PROPAGATE.discard", callable_=True)),
     Assumption("quiet_train_loggers", "ray.train.v2._internal.execution.context (its file names Ray Train's "
                                       "report logger) and ray.train.v2._internal.util (its logger logs "
                                       "'Error in training function')",
@@ -298,6 +303,26 @@ def worker_group_callback_base():
 def placement_group_of(worker_group):
     """The placement group a started worker group holds (its state's handle)."""
     return worker_group.get_worker_group_state().placement_group_handle.placement_group
+
+
+CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
+
+
+def tune_without_credential_copies() -> list[str]:
+    """Tune copies the driver's AWS keys into every trial actor's runtime_env, which Ray writes into its
+    runtime-env agent's log and the actor's command line. A trial needs no copy: on a local Ray it inherits
+    the driver's environment, on a cluster each node has its own (as for ``ray-app train``, where Ray Train
+    copies none). Returns the names no longer copied."""
+    try:
+        from ray.tune.execution import class_cache
+    except ImportError:
+        return []
+    names = getattr(class_cache, "ENV_VARS_TO_PROPAGATE", None)
+    if not isinstance(names, set):
+        return []
+    dropped = [n for n in CREDENTIAL_ENV if n in names]
+    names.difference_update(CREDENTIAL_ENV)
+    return dropped
 
 
 class _ShownByTheDriver(logging.Filter):

@@ -19,8 +19,9 @@ run name (``trial-000``, ...) under the sweep's folder ``{run.storage}/{run.name
   are not run again, the others run again and the kit resumes each from its newest checkpoint; ASHA is
   given the recorded results first (``_replay``). A SIGTERM to the driver is Tune's Ctrl-C.
 - A trial (``run_trial``, in Tune's trial actor): the kit's preflight, the run's lease, the
-  ``TorchTrainer`` with Ray's ``TuneReportCallback``, which forwards each of the run's reports (every
-  epoch's exact eval) to Tune; the scheduler stops a trial after such a report, its checkpoints kept.
+  ``TorchTrainer`` on a thread of its own, each of the run's reports (every epoch's exact eval) relayed to
+  Tune by the trial's thread (``ReportRelay``); the scheduler stops a trial after such a report, its
+  checkpoints kept.
 - Ray beyond its public API, in one place each: Ray Train V2's ``WorkerGroupCallback`` and worker-group
   state, and Ray's key-value store (``placement_group_recorder``): a stopped trial's placement group.
 """
@@ -220,7 +221,6 @@ def _train_trial(cfg: Config, plan: dict, tracking_key: str) -> dict:
     import uuid
 
     from ray.train import TrainingFailedError
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_app.driver import build_trainer, preflight_run, raise_worker_failure
     from ray_app.lease import held_run
@@ -236,13 +236,14 @@ def _train_trial(cfg: Config, plan: dict, tracking_key: str) -> dict:
         job = {"mode": "train", "config": cfg.to_dict(), "project_dir": plan["project_dir"],
                "tracking_key": tracking_key, "lease_token": lease.token}
         trainer = build_trainer(cfg, job, results, cfg.run.name, storage_path, fs)
-        trainer.run_config.callbacks.append(TuneReportCallback())  # every report of rank 0 -> this trial's Tune result
+        relay = ReportRelay()
+        trainer.run_config.callbacks.append(relay.callback())  # every report of rank 0 -> this trial's Tune result
         recorder = placement_group_recorder(placement_group_key(plan["key"], cfg.run.name))
         if recorder is not None:
             trainer.run_config.callbacks.append(recorder)
         trainer.without_autoscaler = plan["local_ray"]
         try:
-            error = trainer.fit().error
+            error = relay.fit(trainer).error
         except TrainingFailedError as exc:
             error = exc
         if error is not None:
@@ -252,6 +253,68 @@ def _train_trial(cfg: Config, plan: dict, tracking_key: str) -> dict:
         raise TrainingFailed(f"{cfg.run.name}: the workers finished but rank 0 returned no result")
     keep = ("epoch", "epochs", "global_step", "train_loss", "checkpoint", "resumed_from_step", "train_seconds")
     return {**{k: final.get(k) for k in keep}, **{k: v for k, v in final.items() if k.startswith("eval_")}}
+
+
+class ReportRelay:
+    """Rank 0's reports, from Ray Train's controller to the trial's own thread, which alone hands them to Tune.
+
+    Ray's ``TuneReportCallback`` puts them in a queue that the trial actor's main thread takes from and
+    reports itself, into the one-slot queue it also takes Tune's results from; the trial's thread reports
+    into that slot too (the trial's final result, and the one Tune adds when the function returns). When
+    both land at once the main thread waits on a slot only it can empty, and the trial hangs for good (seen
+    on 2 loaded cores with S3 storage, where a report first syncs the trial's files). Here the trainer runs
+    on a thread of its own and the trial's thread reports each item as it comes, as any Tune function does."""
+
+    POLL_S = 0.5
+
+    def __init__(self):
+        from ray.util.queue import Queue
+
+        self.queue = Queue(actor_options={"num_cpus": 0})  # unbounded: training never waits on Tune
+
+    def callback(self):
+        from ray.train import UserCallback
+
+        queue = self.queue
+
+        class RelayReports(UserCallback):
+            def after_report(self, run_context, metrics, checkpoint):
+                item = dict(metrics[0]) if metrics else {}
+                if checkpoint is not None:
+                    item["checkpoint_path"] = checkpoint.path
+                queue.put(item)
+
+        return RelayReports()
+
+    def fit(self, trainer):
+        """``trainer.fit()``, each report relayed to Tune from this thread as it comes; its result, or its error."""
+        import threading
+
+        from ray import tune
+        from ray.util.queue import Empty
+
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = trainer.fit()
+            except BaseException as exc:  # noqa: B036 - raised again on the trial's thread
+                outcome["error"] = exc
+
+        fitting = threading.Thread(target=run, name="ray-app-trial-fit", daemon=True)
+        fitting.start()
+        while True:
+            done = not fitting.is_alive()  # the controller's puts are synchronous: none comes after fit returns
+            try:
+                item = self.queue.get(block=not done, timeout=None if done else self.POLL_S)
+            except Empty:
+                if done:
+                    break
+                continue
+            tune.report(item)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
 
 def placement_group_key(sweep: str, trial: str) -> bytes:
@@ -583,6 +646,9 @@ def _tune(cfg: Config, space: Space, configs: list[Config], storage, name: str, 
     import ray
     from ray import tune
 
+    from ray_app import ray_seam
+
+    ray_seam.tune_without_credential_copies()  # no S3 keys in Ray's logs and process arguments
     if record.get("resumes"):
         print(f"ray-app: resuming sweep {storage.uri(name)}: {len(left)} of {len(record['trials'])} trials to run "
               f"({', '.join(trial_name(i) for i in left)})", flush=True)

@@ -22,6 +22,7 @@ from tests.support.processes import REPO, stop_process
 
 pytestmark = pytest.mark.integration
 
+RAY_TMP = Path("/tmp/ray")  # where a local Ray keeps its sessions' logs
 LOCAL_ENV = {"RAY_ADDRESS": None}  # always a fresh local Ray, never someone's cluster
 SPACE = """
 metric: eval_accuracy
@@ -67,11 +68,13 @@ def uninterrupted(tmp_path_factory, run_cli, s3):
     t0 = time.monotonic()
     env = {**s3.env(), **LOCAL_ENV}
     uri = f"s3://{s3.bucket}/sweeps"
+    sessions_before = set(RAY_TMP.glob("session_2*"))
     rc, out, err = run_cli(sweep_args(tmp, "asha", concurrent=2, storage=uri), env=env, timeout=400, cwd=tmp)
     assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     print(f"uninterrupted sweep: {time.monotonic() - t0:.1f} s")
     body = s3.client().get_object(Bucket=s3.bucket, Key="sweeps/asha/sweep.json")["Body"].read()
-    return {"tmp": tmp, "summary": last_json(out), "record": json.loads(body), "env": env, "uri": f"{uri}/asha"}
+    return {"tmp": tmp, "summary": last_json(out), "record": json.loads(body), "env": env, "uri": f"{uri}/asha",
+            "ray_sessions": sorted(set(RAY_TMP.glob("session_2*")) - sessions_before)}
 
 
 @pytest.mark.timeout(500)
@@ -101,6 +104,14 @@ def test_an_asha_sweep_on_s3_stops_bad_trials_early_and_its_best_checkpoint_eval
     rc, shown, err = run_cli(["sweep", "show", uninterrupted["uri"]], env=env, timeout=60, cwd=tmp)
     assert rc == 0 and last_json(shown) == summary, err
     assert "stopped" in shown and "best: " in shown
+
+
+def test_the_sweeps_s3_keys_are_in_none_of_rays_logs(uninterrupted):
+    """Tune would copy the driver's AWS keys into each trial actor's runtime_env, which Ray logs."""
+    secret = uninterrupted["env"]["AWS_SECRET_ACCESS_KEY"]
+    logs = [f for session in uninterrupted["ray_sessions"] for f in (session / "logs").rglob("*") if f.is_file()]
+    assert logs, f"no Ray session logs found under {RAY_TMP}"
+    assert not [str(f) for f in logs if secret.encode() in f.read_bytes()]
 
 
 def files_with_mtimes(folder: Path) -> dict[str, int]:
