@@ -99,11 +99,12 @@ def epochs_for(n: int) -> int:
     return max(2, math.ceil(steps / STEPS_PER_EPOCH))
 
 
-def train_args(storage: Path, name: str, epochs: int, max_failures: int) -> list[str]:
+def train_args(storage: Path | str, name: str, epochs: int, max_failures: int, storage_retry_s: float = 5,
+               hang_timeout_s: float = HANG_TIMEOUT_S) -> list[str]:
     return ["--set", f"run.storage={storage}", "--set", f"run.name={name}",
             *workload(epochs, log_every_steps=1),  # a progress line every step: the driver aims at steps
-            "--set", f"checkpoint.every_steps={EVERY_STEPS}", "--set", f"failure.hang_timeout_s={HANG_TIMEOUT_S}",
-            "--set", "failure.storage_retry_s=5", "--set", f"failure.max_failures={max_failures}"]
+            "--set", f"checkpoint.every_steps={EVERY_STEPS}", "--set", f"failure.hang_timeout_s={hang_timeout_s:g}",
+            "--set", f"failure.storage_retry_s={storage_retry_s:g}", "--set", f"failure.max_failures={max_failures}"]
 
 
 class Watch:
@@ -268,11 +269,11 @@ def write_log(run: Run, path: Path) -> None:
     path.write_text("".join(f"{t - run.t0:8.2f} {line}\n" for t, line in run.lines))
 
 
-def reference_run(storage: Path, epochs: int, max_failures: int) -> Run:
-    """The same config, uninterrupted (its output is kept in ``storage``/reference.log)."""
-    run = Run(train_args(storage, "reference", epochs, max_failures))
+def reference_run(storage: Path | str, epochs: int, max_failures: int, logs: Path, **settings) -> Run:
+    """The same config, uninterrupted (its output is kept in ``logs``/reference.log)."""
+    run = Run(train_args(storage, "reference", epochs, max_failures, **settings))
     run.wait(timeout=900)
-    write_log(run, storage / "reference.log")
+    write_log(run, logs / "reference.log")
     return run
 
 
@@ -314,8 +315,16 @@ def leftover_processes(pids: list[int], grace_s: float = 10) -> list[int]:
         time.sleep(0.5)
 
 
-def run_chaos(n: int, seed: int, kinds: list[str], storage: Path) -> dict:
-    """The whole experiment: the reference run, the chaos run, the report (``problems`` empty if it held)."""
+def run_chaos(n: int, seed: int, kinds: list[str], storage: Path | str, logs: Path | None = None,
+              before_chaos=None, storage_retry_s: float = 5, hang_timeout_s: float = HANG_TIMEOUT_S) -> dict:
+    """The whole experiment: the reference run, the chaos run, the report (``problems`` empty if it held).
+
+    ``storage``: both runs' ``run.storage`` (a folder, or ``s3://bucket/prefix`` with the AWS variables in
+    this process's environment); ``logs``: a folder for their output (default: ``storage``);
+    ``before_chaos``: called between the two runs (a test arms a storage outage there); a run that waits
+    out an outage sets ``storage_retry_s`` above it and ``hang_timeout_s`` above the wait."""
+    settings = {"storage_retry_s": storage_retry_s, "hang_timeout_s": hang_timeout_s}
+    logs = Path(storage) if logs is None else logs
     faults = plan(n, kinds, seed)
     epochs = epochs_for(n)
     total_steps = epochs * STEPS_PER_EPOCH
@@ -323,10 +332,10 @@ def run_chaos(n: int, seed: int, kinds: list[str], storage: Path) -> dict:
     print(f"chaos: seed {seed} (replay: --seed {seed} --faults {n} --kinds {','.join(kinds)}); "
           f"{epochs} epochs x {STEPS_PER_EPOCH} steps, failure.max_failures={max_failures}; plan: "
           + " ".join(f"{f.kind}:r{f.rank}+{f.gap}" for f in faults), flush=True)
-    ref = reference_run(storage, epochs, max_failures)
+    ref = reference_run(storage, epochs, max_failures, logs, **settings)
     reference_s = round(time.monotonic() - ref.t0, 1)
     report = {"seed": seed, "faults": n, "kinds": kinds, "epochs": epochs, "total_steps": total_steps,
-              "world_size": WORLD_SIZE, "checkpoint_every_steps": EVERY_STEPS, "hang_timeout_s": HANG_TIMEOUT_S,
+              "world_size": WORLD_SIZE, "checkpoint_every_steps": EVERY_STEPS, "hang_timeout_s": hang_timeout_s,
               "max_failures": max_failures, "reference_seconds": reference_s, "storage": str(storage)}
     if ref.proc.returncode != 0:
         print(ref.text[-4000:])
@@ -334,7 +343,9 @@ def run_chaos(n: int, seed: int, kinds: list[str], storage: Path) -> dict:
                 "per_kind": {}, "problems": [f"the reference run exited {ref.proc.returncode}"]}
     print(f"chaos: reference run done in {reference_s:.0f}s", flush=True)
     reference = final_model(summary_of(ref.text))
-    run = Run(train_args(storage, "chaos", epochs, max_failures))
+    if before_chaos is not None:
+        before_chaos()
+    run = Run(train_args(storage, "chaos", epochs, max_failures, **settings))
     run_seconds = None
     try:
         problems = chaos_run(run, faults, total_steps)
@@ -347,19 +358,19 @@ def run_chaos(n: int, seed: int, kinds: list[str], storage: Path) -> dict:
         for f in faults:
             if f.kind == "stop" and f.pid:
                 stop_leftover(f.pid)
-    write_log(run, storage / "chaos.log")
+    write_log(run, logs / "chaos.log")
     ended, identical = end_problems(run, rc, faults, total_steps, reference)
     problems += ended
     for number, fault in enumerate(faults, 1):
         if fault.steps_lost is not None:
             problems += fault_problems(fault, number)
     return {**report, "exit_code": rc, "bit_identical": identical, "chaos_seconds": round(time.monotonic() - run.t0, 1),
-            "run_seconds": run_seconds, "journal": runs_show(storage / "chaos"),
+            "run_seconds": run_seconds, "journal": runs_show(f"{str(storage).rstrip('/')}/chaos"),
             "per_fault": [{k: v for k, v in asdict(f).items() if k != "signalled_at"} for f in faults],
             "per_kind": per_kind(faults), "problems": problems}
 
 
-def runs_show(run_uri: Path) -> dict | None:
+def runs_show(run_uri: Path | str) -> dict | None:
     """``ray-app runs show RUN_URI --json``: the run's journal, its timeline and wall time split (None if it fails)."""
     proc = subprocess.run([sys.executable, "-m", "ray_app", "runs", "show", str(run_uri), "--json"],
                           capture_output=True, text=True, timeout=120)

@@ -1,5 +1,6 @@
 """Chaos on a local Ray (CPU, gloo): faults in sequence in one training run, each once the group recovered
-from the one before. CI: a SIGKILL and a SIGTERM (both ranks): the run exits 0 on the uninterrupted run's
+from the one before. CI: on S3 (moto_server behind a TCP proxy), a short outage of the store, then a SIGKILL
+and a SIGTERM (both ranks): the run exits 0 on the uninterrupted run's
 parameters, bit for bit; the SIGTERM loses no step and its restart does not count against
 ``failure.max_failures`` (set to the number of kills exactly), the kill loses at most one checkpoint
 interval. A hang (SIGSTOP) is tests/integration/test_faults.py's. ``make test-long`` runs 20 faults of
@@ -9,10 +10,13 @@ every kind; ``make chaos`` the same driver (``tests.integration.chaos``) by hand
 from __future__ import annotations
 
 import re
+from urllib.parse import urlparse
 
 import pytest
 
 from tests.integration.chaos import EVERY_STEPS, SIGNALS, WORLD_SIZE, plan, print_report, run_chaos
+from tests.integration.s3server import start_s3_server
+from tests.integration.tcp_proxy import OutageProxy
 
 pytestmark = pytest.mark.integration
 
@@ -69,8 +73,35 @@ def check_journal(report: dict, faults: list[dict]) -> None:
     assert parts["restarts"] > 0 and parts["productive"] > 0 and parts["checkpoint_blocked"] > 0, parts
 
 
-def test_a_kill_and_a_preemption_in_one_run_end_on_the_uninterrupted_runs_parameters(tmp_path):
-    check(run_chaos(len(CI_PLAN), SEED, CI_KINDS, tmp_path), CI_KINDS)
+OUTAGE_S = 6  # the store dark while the chaos run's first checkpoint uploads (rank 0's model share)
+MODEL_PUT = rb"PUT /[^ ]*/ckpt-s\d+[^ /]*/model/__0_0\.distcp"
+
+
+@pytest.mark.timeout(600)
+def test_a_kill_a_preemption_and_an_s3_outage_in_one_run_end_on_the_uninterrupted_runs_parameters(tmp_path,
+                                                                                                  monkeypatch):
+    """Both runs on S3 (moto_server behind a TCP proxy); the chaos run's first checkpoint upload meets a
+    6 s outage, waited out (``failure.storage_retry_s`` 30, the hang timeout above it), then a worker
+    is killed and another preempted. ``runs show`` reads the journal back from S3: the outage, the restart
+    and the preemption, each with its cause; the wall time's parts sum to the driver's within 2 %."""
+    url = urlparse((s3 := start_s3_server(tmp_path / "moto.log")).endpoint)
+    proxy = OutageProxy(url.hostname, url.port)
+    try:
+        for key, value in s3.env(endpoint=proxy.endpoint).items():
+            if key.startswith("AWS_"):
+                monkeypatch.setenv(key, value)  # the runs, `runs show` and the checkpoints' loads here
+        report = run_chaos(len(CI_PLAN), SEED, CI_KINDS, f"s3://{s3.bucket}/runs", logs=tmp_path,
+                           before_chaos=lambda: proxy.arm(MODEL_PUT, OUTAGE_S), storage_retry_s=30, hang_timeout_s=60)
+        journal_keys = s3.snapshot("runs/chaos/events/")
+    finally:
+        proxy.close()
+        s3.stop()
+    check(report, CI_KINDS)
+    assert proxy.outages and proxy.outages[0][1] - proxy.outages[0][0] == OUTAGE_S, "no upload met the outage"
+    assert journal_keys, "the run journal is not on S3"
+    outages = [e for e in report["journal"]["events"] if e["kind"] == "outage"]
+    assert any(re.search(r"upload of \S+/model/__0_0\.distcp", e["during"]) and e["seconds"] >= OUTAGE_S - 1 and
+               e["where"].startswith(f"s3://{s3.bucket}") for e in outages), outages
 
 
 @pytest.mark.long
