@@ -246,8 +246,12 @@ def test_a_slowed_rank_is_named_with_its_host_within_three_intervals_and_prometh
     # the per-rank series in Prometheus, labelled with rank and host: rank 1 well above rank 0 while it was slow
     host = socket.gethostname()
     window = "[10m]"
-    slow = wait_for("rank 1's slow steps in Prometheus", lambda: prom.scalar(
-        f'max_over_time(ray_app_rank_step_seconds{{rank="1", host="{host}"}}{window})'), 30)
+    # the line comes with the gauges' values; a scrape (every second) after it brings them to Prometheus
+    def slow_scraped():
+        value = prom.scalar(f'max_over_time(ray_app_rank_step_seconds{{rank="1", host="{host}"}}{window})')
+        return value if value is not None and value > 0.05 else None
+
+    slow = wait_for("rank 1's slow steps (> 0.05 s) in Prometheus", slow_scraped, 30)
     fast = prom.scalar(f'quantile_over_time(0.5, ray_app_rank_step_seconds{{rank="0", host="{host}"}}{window})')
     slow_wait = prom.scalar(f'max_over_time(ray_app_rank_data_wait_seconds{{rank="1", host="{host}"}}{window})')
     fast_wait = prom.scalar(f'quantile_over_time(0.5, ray_app_rank_data_wait_seconds{{rank="0", host="{host}"}}{window})')
