@@ -44,6 +44,9 @@ METHOD = """\
 - **Every rank's pace** (r): the kit as in (a) and (b) (a log interval every 5 steps: each one an `all_gather`
   of every rank's timing sums) against the same run with `metrics.rank_pace=false` (no timing marks, no
   forward hooks, no `all_gather`); cost as for the exporter.
+- **The run journal** (j): the kit as in (a) and (b) against the same command with `RAY_APP_JOURNAL=0` in
+  every process (`bench/variants.py no-journal`: no events written, no goodput computed); cost as for the
+  exporter.
 - **Script mode** (s): the twin itself, unchanged, under `ray-app run` (Ray Train's workers, its process group,
   a private Ray started by the command) against the twin under `torchrun`; the script measures both the same
   way in process. Its time to first step is shown beside the plug-in mode's (`ray-app train`, the same

@@ -90,7 +90,7 @@ WORKLOADS = {
 }
 GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,r,s"
-DEFAULT_CASES += ",z"  # (z) FSDP: the kit vs the twin's plain FSDP2
+DEFAULT_CASES += ",j,z"  # (j) the run journal's cost; (z) FSDP: the kit vs the twin's plain FSDP2
 FSDP = ("train.strategy=fsdp",)  # case (z): the same --set for the kit and the twin
 VARIANT_NAMES = ("kit", "ray-poll", "nice0")
 SHARDS_PREFIX = "bench-shards"  # case (h): the shard set's prefix in the bench's S3 bucket
@@ -175,6 +175,10 @@ class Plan:
             "v": {name: kit(startup, variant=name, launch="cold", cpu_sample=True) for name in variants},
         }
         self.shard_sets["h"] = (w["compute"], shards_dest("h"), w["shard_mb"])
+        # the run journal: on is case (a)'s and (b)'s kit run, off the same run with RAY_APP_JOURNAL=0 in every
+        # process (bench/variants.py no-journal: the same command through the variants' entry point)
+        self.specs["j"] = {"a on": kit(w["compute"]), "a off": kit(w["compute"], variant="no-journal"),
+                           "b on": kit(w["comm"]), "b off": kit(w["comm"], variant="no-journal")}
         # FSDP: workload (b) (wide_mlp: its parameters and optimizer state dominate), kit vs the twin's plain FSDP2
         self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP)}
 
@@ -204,6 +208,7 @@ class Plan:
                       "r": {"a on": k3, "a off": Spec("kit", k3.overrides + ("metrics.rank_pace=false",),
                                                       launch="warm")}}
         self.specs["z"] = {"kit": Spec("kit", w["comm"] + FSDP, launch="warm"), "twin": Spec("twin", w["comm"] + FSDP)}
+        self.specs["j"] = {"a on": k2, "a off": replace(k2, variant="no-journal")}  # a variant runs cold
 
     def _gpu_specs(self, w: dict) -> None:
         """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
@@ -690,6 +695,8 @@ def _on_off_cost(case: str, what: str):
 rows_p = _on_off_cost("p", "preemption agreement")
 # perf_counter marks per step, one all_gather of a few floats per log interval
 rows_r = _on_off_cost("r", "every rank's pace")
+# rank 0's events (attempt, first step, checkpoints, end) queued to a writer thread; goodput at each log
+rows_j = _on_off_cost("j", "the run journal")
 
 
 def rows_s(r: Runner) -> list[dict]:
@@ -713,6 +720,7 @@ def rows_s(r: Runner) -> list[dict]:
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
              "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "h": rows_h, "p": rows_p, "r": rows_r, "s": rows_s,
+             "j": rows_j,
              "t": rows_t, "v": rows_v}
 CASE_ROWS["z"] = _throughput("z", "FSDP (train.strategy=fsdp, wide_mlp; twin: plain fully_shard)", 0.97)
 

@@ -31,6 +31,8 @@ VARIANTS = {
     "nice0": ({"RAY_worker_niceness": "0"}, None,
               "Ray's worker processes (controller, train workers) at nice 0 like Ray's own daemons "
               "(default 15)"),
+    "no-journal": ({"RAY_APP_JOURNAL": "0"}, None,
+                   "no run journal in any process (the bench's measure of its cost, case j; not a start-up change)"),
     "ray-poll": ({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}, None,
                  "Ray Train's controller polls the workers every 2 s (Ray's default; the kit sets 0.1 s: a finished "
                  "run ends and a dead worker is seen sooner)"),

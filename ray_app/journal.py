@@ -141,8 +141,21 @@ _WRITERS: dict[str, JournalWriter] = {}
 _LOCK = threading.Lock()
 
 
+OFF_ENV = "RAY_APP_JOURNAL"  # "0": no journal in any process of the run (the bench measures its cost so)
+
+
+def enabled(environ=None) -> bool:
+    """Whether this process journals: always, unless ``RAY_APP_JOURNAL=0`` (set before the run starts, it
+    reaches the driver, the failure policy and rank 0; ``runs show`` then has nothing to show)."""
+    value = (os.environ if environ is None else environ).get(OFF_ENV, "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
 def writer(storage, run: str, source: str | None = None) -> JournalWriter | None:
-    """This process's writer of ``run``'s journal in ``storage`` (made on first use); None if it cannot be."""
+    """This process's writer of ``run``'s journal in ``storage`` (made on first use); None if it cannot be
+    or the journal is off (``enabled``)."""
+    if not enabled():
+        return None
     try:
         key = storage.uri(run)
         with _LOCK:

@@ -141,7 +141,7 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
         prometheus = PrometheusMetrics(cfg.metrics.port) if cfg.metrics.enabled else None
         metrics = FanOutSink([rank0_sink(cfg, runtime.storage, job.get("tracking_key", cfg.run.name),
                                          prometheus=prometheus),
-                              journal_sink(cfg, runtime.storage, job, hosts, prometheus)])
+                              *journal_sink(cfg, runtime.storage, job, hosts, prometheus)])
         checkpointer.on_commit = metrics.on_checkpoint_committed
     watchdog = hang_watchdog(cfg, runtime, job)
     try:
@@ -186,19 +186,22 @@ def gather_hosts(world_size: int) -> list[str]:
     return [str(h) for h in hosts]
 
 
-def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus):
+def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus) -> list:
     """Rank 0's share of the run journal (``ray_app.journal``): this attempt, its first step, its checkpoints,
-    the outages it waits out; and ``ray_app_goodput_ratio`` on ``prometheus`` when metrics are on."""
+    the outages it waits out; and ``ray_app_goodput_ratio`` on ``prometheus`` when metrics are on. None (an
+    empty list) with the journal off."""
     import os
     import socket
 
     from ray_app import journal
 
+    if not journal.enabled():
+        return []
     w = journal.writer(storage, cfg.run.name, source=f"rank0-{socket.gethostname()}-{os.getpid()}")
     if w is not None:
         journal.record_outages(w)
-    return journal.JournalSink(w, storage, cfg.run.name, launch=job.get("launch_id", ""), hosts=hosts,
-                               goodput=prometheus)
+    return [journal.JournalSink(w, storage, cfg.run.name, launch=job.get("launch_id", ""), hosts=hosts,
+                                goodput=prometheus)]
 
 
 def preemption_agreement(cfg: Config):

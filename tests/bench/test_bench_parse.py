@@ -317,3 +317,29 @@ def test_case_r_turns_every_ranks_pace_off_only_and_reports_the_median_round_cos
     a, b = rows_r(runner)
     assert a["ratio"] == pytest.approx(0.0) and a["ok"] and a["target"] == "<= 0.005"
     assert b["ratio"] == pytest.approx(0.0) and "every rank's pace on vs off" in b["metric"]
+
+
+def test_case_j_turns_the_journal_off_only_and_reports_the_median_round_cost(tmp_path):
+    """(j): "off" is the "on" run through bench/variants.py no-journal (RAY_APP_JOURNAL=0), nothing else
+    changed; "on" is case (a)'s and (b)'s kit run; the row's ratio is 1 - the median per-round on / off ratio."""
+    from bench.run import Plan, Runner, rows_j
+    from bench.variants import VARIANTS
+
+    assert VARIANTS["no-journal"][0] == {"RAY_APP_JOURNAL": "0"}
+    for size in ("full", "smoke"):
+        specs = Plan(size, ("kit",)).specs["j"]
+        on, off = specs["a on"], specs["a off"]
+        assert (off.overrides, off.workers, off.launch, off.storage) == (on.overrides, on.workers, on.launch, on.storage)
+        assert (on.variant, off.variant, off.launch) == ("", "no-journal", "cold")
+    plan = Plan("full", ("kit",))
+    assert plan.specs["j"]["a on"] == plan.specs["a"]["kit"] and plan.specs["j"]["b on"] == plan.specs["b"]["kit"]
+    runner = Runner(plan, ["j"], 3, tmp_path)
+    sps = {"a on": (99.0, 98.0, 101.0), "a off": (100.0, 100.0, 100.0),  # ratios 0.99, 0.98, 1.01
+           "b on": (50.0, 49.0, 50.0), "b off": (50.0, 50.0, 49.0)}  # ratios 1.0, 0.98, 1.0204
+    for rnd in range(3):
+        for spec, label in runner.schedule(rnd).items():
+            name = label.split("/")[1].split(" round")[0]
+            runner.results[(spec, rnd)] = _fake_run(label, sps[name][rnd])
+    a, b = rows_j(runner)
+    assert a["ratio"] == pytest.approx(0.01) and not a["ok"] and a["target"] == "<= 0.005"
+    assert b["ratio"] == pytest.approx(0.0) and b["ok"] and "the run journal on vs off" in b["metric"]

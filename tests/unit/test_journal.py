@@ -137,6 +137,22 @@ def test_record_never_raises_and_one_writer_serves_a_run_per_process(tmp_path):
     assert journal.describe_event(event) == "hang_report: ranks [1], report reports/x, step 7"
 
 
+def test_with_the_journal_off_no_process_writes_an_event(tmp_path, monkeypatch):
+    """RAY_APP_JOURNAL=0 (the bench's "off" arm of case j): no writer in any process, rank 0 adds no sink."""
+    from ray_app.config import Config
+    from ray_app.worker import journal_sink
+
+    storage = LocalStorage(str(tmp_path))
+    monkeypatch.setenv(journal.OFF_ENV, "0")
+    journal.record(storage, "quiet", "launch", mode="train")
+    assert journal.writer(storage, "quiet") is None
+    assert journal_sink(Config(), storage, {"launch_id": "x"}, ["h"], None) == []
+    assert journal.flush(5.0) and journal.list_names(storage, "quiet") == []
+    monkeypatch.setenv(journal.OFF_ENV, "1")
+    (sink,) = journal_sink(Config(), storage, {"launch_id": "x"}, ["h"], None)
+    assert isinstance(sink, journal.JournalSink) and journal.writer(storage, "quiet") is not None
+
+
 class Gauge:
     def __init__(self):
         self.values = []
