@@ -97,5 +97,6 @@ def start_s3_server(log_path: Path) -> S3Server:
 
     c("s3").create_bucket(Bucket=BUCKET)
     admin = user("trainer", "*")
-    reader = user("reader", ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"])
+    # moto 5.2 checks a ListObjectsV2 call against "s3:ListObjectsV2" (AWS: "s3:ListBucket"); both granted
+    reader = user("reader", ["s3:GetObject", "s3:ListBucket", "s3:ListObjectsV2", "s3:HeadBucket"])
     return S3Server(endpoint, BUCKET, admin, reader, proc)
