@@ -267,12 +267,21 @@ class WarmCluster:
     def start(self, env: dict | None = None) -> float:
         """Start the head; its processes (and the job drivers) inherit ``env`` (e.g. the S3 credentials)."""
         t0 = time.time()
-        cmd = [str(BIN / "ray"), "start", "--head", "--temp-dir", str(self.temp), "--port", str(free_port()),
-               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
-               "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-               "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
         env = {k: v for k, v in (env or os.environ).items() if k != "RAY_ADDRESS"}
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180, env={**env, **_auth_env()})
+        for attempt in (1, 2):  # a port picked here can be taken by the time Ray binds it: once more, new ports
+            self.dashboard_port = free_port()
+            cmd = [str(BIN / "ray"), "start", "--head", "--temp-dir", str(self.temp), "--port", str(free_port()),
+                   "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+                   "--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                   "--num-cpus", str(self.num_cpus), "--disable-usage-stats"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**env, **_auth_env()})
+            if proc.returncode == 0:
+                break
+            kill_tree(self.processes())  # what the failed start left running
+            if attempt == 2:
+                said = (proc.stdout + proc.stderr).strip().splitlines()
+                raise RuntimeError(f"warm cluster: ray start exited {proc.returncode}: " + " | ".join(said[-15:]))
+            print(f"[bench] warm cluster: ray start exited {proc.returncode}; starting it again", flush=True)
         self._wait_for_jobs_api()
         return time.time() - t0
 
