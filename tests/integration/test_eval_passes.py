@@ -1,6 +1,7 @@
 """A run that ends on an epoch boundary (the usual case) evaluates once per epoch on every rank, on a
 real local Ray with 2 workers: the epoch's end is also the run's, not a second pass over the eval set.
-(1 and 3 ranks, `ray-app eval` and ``train.max_steps``: tests/unit/test_loop_counts.py.) One Ray run."""
+(1 and 3 ranks, `ray-app eval` and ``train.max_steps``: tests/unit/test_loop_counts.py, the proof CI keeps; this
+one, through Ray, is in ``make test-long``.) One Ray run."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.support.processes import run_cli
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 N_TRAIN, N_EVAL, BATCH, EPOCHS, WORKERS = 32, 13, 4, 2, 2
 
