@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ray_app.ddp import first_dim
 from ray_app.errors import Diverged, PluginError
 from ray_app.evaluation import describe
-from ray_app.strategy import full_value, is_sharded
+from ray_app.strategy import grad_norm, is_sharded
 
 
 class LossContract:
@@ -60,11 +60,8 @@ class NonFinite:
         """Clip to ``train.clip_grad_norm``; whether the global gradient norm is finite."""
         if self.mode == "ignore" and not self.clip:
             return True
-        if self.clip:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip)
-        else:  # the norm alone: one pass over the gradients, one number to the host
-            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        return self.mode == "ignore" or bool(torch.isfinite(full_value(norm)))  # FSDP: the global norm, replicated
+        norm = grad_norm(model, self.clip)  # FSDP: the global norm in one all_reduce, the same on every rank
+        return self.mode == "ignore" or bool(torch.isfinite(norm))  # one number to the host
 
     def step_dropped(self, step: int, newest_checkpoint: str | None) -> None:
         """The optimizer step ``step`` had non-finite gradients: skip it (every rank) or raise ``Diverged``."""

@@ -86,6 +86,33 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
+def grad_norm(model: torch.nn.Module, max_norm: float = 0.0) -> torch.Tensor:
+    """The global L2 norm of the model's gradients as a plain tensor, the same on every rank; with ``max_norm``
+    the gradients are scaled down to it first (``clip_grad_norm_``'s rule). DDP: every rank holds the whole,
+    all-reduced gradients, so the norm is local. FSDP: each rank sums the squares of its own shards and one
+    ``all_reduce`` of one number adds them (the DTensor route of ``clip_grad_norm_`` redistributes every
+    parameter's norm on its own: a collective per parameter, every step)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not is_sharded(model) or not all(_sharded_only(g) for g in grads):
+        if max_norm:
+            return full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        return full_value(torch.nn.utils.get_total_norm(grads))
+    import torch.distributed as dist
+
+    local = [g.to_local() for g in grads]
+    square = torch.nn.utils.get_total_norm(local).to(torch.float32) ** 2 if local else torch.zeros(())
+    dist.all_reduce(square, group=grads[0].device_mesh.get_group() if grads else None)  # sync point: all ranks
+    norm = square.sqrt()
+    if max_norm and local:  # clip_grad_norm_'s rule, on each rank's shards (views of the DTensor gradients)
+        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def _sharded_only(t) -> bool:
+    """A DTensor sharded over every mesh dimension (each element on one rank: its square counted once)."""
+    return hasattr(t, "to_local") and all(p.is_shard() for p in t.placements)
+
+
 def full_value(t):
     """A DTensor (a sharded model's norm, a shard) as a plain tensor; a tensor as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

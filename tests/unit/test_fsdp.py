@@ -314,3 +314,47 @@ def test_a_sync_checkpoint_adds_at_most_10_percent_and_an_async_one_at_most_the_
         share = (state_mb - state_mb / 4) / 2  # the weights and moments (no gradients) spread over 2 ranks
         for m in memory[strategy, "async"]:
             assert m["checkpoint_peak"] - m["train_peak"] <= 1.1 * share, (strategy, m, share)
+
+
+def _norm_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ray_app.strategy import grad_norm
+
+    _init(rank, world, port)
+    torch.manual_seed(3)
+    # 33 rows: the shards are uneven (17 and 16), as a model's odd sizes make them
+    model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    x = torch.randn(8, 7, generator=torch.Generator().manual_seed(5)) * 40
+    mesh = init_device_mesh("cpu", (world,))
+    for unit in (model[0], model[2]):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(x).square().sum().backward()
+    norm = grad_norm(model)
+    clipped = grad_norm(model, 1.0)  # the norm before clipping; the gradients scaled to 1.0
+    after = grad_norm(model)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"norm": norm, "clipped": clipped, "after": after, "grads": grads}, out)
+    _finish()
+
+
+def test_fsdp_gradient_norm_and_clipping_equal_the_unsharded_models(port_picker, tmp_path):
+    """The global gradient norm under FSDP (each rank's shards, one all_reduce) is the unsharded model's, and
+    clipping scales the gradients as ``clip_grad_norm_`` does on the whole model."""
+    out = str(tmp_path / "norm.pt")
+    _spawn(_norm_worker, 2, port_picker(), out)
+    got = torch.load(out, weights_only=True)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    x = torch.randn(8, 7, generator=torch.Generator().manual_seed(5)) * 40
+    model(x).square().sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert expected > 10  # the clip did scale
+    torch.testing.assert_close(got["norm"], expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["clipped"], expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["after"], torch.tensor(1.0), rtol=1e-4, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
