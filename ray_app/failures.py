@@ -22,8 +22,10 @@ a stop (driver's SIGTERM)    Stopped (after the checkpoint)      stop           
 an interrupt (SIGINT)        Stopped (after the checkpoint)      stop                         RunInterrupted    130
 preemption                   Preempted (after the checkpoint)    restart, not counted         -                 -
 storage unavailable          StorageUnavailable                  restart, one line, counted   TrainingFailed    1
-a lost peer                  PeerLost (a failed collective, or   restart, counted; the line   TrainingFailed    1
-                             any error after the notice)         names the rank that failed
+a lost peer                  PeerLost (a failed collective, Ray  restart, counted; the line   TrainingFailed    1
+                             Train's own call failing as it      names the rank that failed
+                             tears the group down, or any error
+                             after the notice)
 a killed worker, a hang      (Ray's: the actor died, the health  restart, one line, counted   TrainingFailed    1
                              check or a collective timed out)
 a group that did not start   (Ray's controller: start timeout)   restart, one line            TrainingFailed    1
@@ -44,6 +46,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from ray_app import ray_seam
 from ray_app.errors import (
     CheckpointError,
     ConfigError,
@@ -138,7 +141,7 @@ def wrap(exc: Exception, *, rank: int, step: int, roots: tuple[str, ...], leavin
     unused = unused_parameters_error(exc)
     if unused is not None:  # the same on every restart
         return unused
-    lost = PeerLost.of(exc, rank, leaving=False)
+    lost = PeerLost.of(exc, rank, leaving=ray_seam.group_torn_down(exc))
     if lost is not None:  # another rank's failure reached this one: the restart line names the cause
         return lost
     if isinstance(exc, DataPipelineError):  # the user's data: a bug unless the next attempt passes

@@ -99,6 +99,11 @@ ASSUMPTIONS: list[Assumption] = [
                                       "'Error in training function')",
                "Ray Train's per-report INFO lines and its copy of errors the driver shows reach the console",
                _has("ray.train.v2._internal.execution.context", "__file__")),
+    Assumption("group_torn_down", "ray.exceptions:RayActorError, raised in a worker from a call into the "
+                                  "ray.train package (a report's sync with the group's SynchronizationActor)",
+               "a worker whose group Ray Train tears down (another rank died) shows Ray's traceback once "
+               "under the restart line",
+               _has("ray.exceptions", "RayActorError")),
     Assumption("failure_policy_base", "ray.train.v2._internal.execution.failure_handling:DefaultFailurePolicy "
                                       "(make_decision, failure_config, _worker_group_failures, "
                                       "_controller_failures), FailureDecision (RETRY, RAISE), "
@@ -323,6 +328,21 @@ def tune_without_credential_copies() -> list[str]:
     dropped = [n for n in CREDENTIAL_ENV if n in names]
     names.difference_update(CREDENTIAL_ENV)
     return dropped
+
+
+def group_torn_down(exc: BaseException) -> bool:
+    """``exc`` is Ray Train's own call failing because the worker group is being torn down: an actor of the
+    group (the SynchronizationActor a report or barrier waits on) was killed after another rank died. A
+    consequence, like a collective's error, not a cause; an actor error from the user's own actors is not this."""
+    import os
+    import traceback
+
+    from ray.exceptions import RayActorError
+
+    if not isinstance(exc, RayActorError):
+        return False
+    train_dir = os.sep + os.path.join("ray", "train") + os.sep
+    return any(train_dir in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
 
 
 class _ShownByTheDriver(logging.Filter):

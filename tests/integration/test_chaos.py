@@ -37,7 +37,7 @@ def test_a_seed_gives_one_plan_and_the_first_faults_take_every_kind_and_every_ra
 
 def check(report: dict, kinds: list[str]) -> None:
     print_report(report)  # the per-fault table and the per-kind recovery figures
-    assert report["problems"] == [], f"logs in {report['storage']}"
+    assert not report["problems"], "\n".join(report["problems"] + [f"logs in {report['storage']}"])
     assert report["exit_code"] == 0 and report["bit_identical"]
     faults = report["per_fault"]
     assert {f["kind"] for f in faults} == set(kinds) and {f["rank"] for f in faults} == set(range(WORLD_SIZE))

@@ -76,6 +76,33 @@ def test_the_users_error_is_retried_at_another_step_and_stops_at_the_same_step(c
     assert capsys.readouterr().err.count("Traceback") == 1
 
 
+def _raised_in(filename: str, exc: BaseException) -> BaseException:
+    """``exc`` as raised by a function of the file ``filename`` (its traceback's last frame there)."""
+    namespace: dict = {}
+    exec(compile("def call(exc):\n    raise exc\n", filename, "exec"), namespace)
+    try:
+        namespace["call"](exc)
+    except BaseException as raised:  # noqa: B036 - the exception under test
+        return raised
+    raise AssertionError("not raised")
+
+
+def test_ray_trains_own_call_failing_as_the_group_is_torn_down_is_a_lost_peer_not_the_users_error(tmp_path):
+    """A rank in a report's sync when another rank dies: Ray Train kills the group's SynchronizationActor and
+    the report raises ActorDiedError from Ray Train's code. That is a consequence (shown by no traceback); the
+    same error from the user's own actor call is the user's."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.execution import context
+
+    torn = failures.wrap(_raised_in(context.__file__, ActorDiedError()), rank=1, step=16, roots=(), leaving=False)
+    assert isinstance(torn, PeerLost) and str(torn).startswith("rank 1 lost a peer: ActorDiedError"), torn
+    assert failures.FailureHistory().decide({1: torn}).action == failures.RETRY
+    user_file = str(tmp_path / "task.py")
+    own = failures.wrap(_raised_in(user_file, ActorDiedError()), rank=1, step=16, roots=(str(tmp_path),),
+                        leaving=False)
+    assert isinstance(own, UserCodeError) and own.step == 16, own
+
+
 def test_a_full_disk_is_one_line_naming_the_fix_and_leaves_no_partial_file(tmp_path, monkeypatch):
     storage = LocalStorage(str(tmp_path / "runs"))
     src = tmp_path / "model.pt"
