@@ -35,8 +35,8 @@ sweep: venv ## Sweep the default config over configs/sweeps/digits.yaml (Ray Tun
 	$(VENV)/bin/ray-app sweep --config $(CONFIG) --space $(or $(SPACE),configs/sweeps/digits.yaml) --set run.name=digits-sweep $(ARGS)
 
 .PHONY: test
-test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker); CI's run, prints the slowest 25
-	$(PY) -m pytest tests --durations=25 $(PYTEST_ARGS)
+test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker), integration beside the rest; CI's run
+	$(PY) -m tests.streams --durations=25 $(PYTEST_ARGS)
 
 .PHONY: test-long
 test-long: venv ## The soaks and long variants CI leaves out: chaos with 20 faults, every bench case's smoke (about an hour)

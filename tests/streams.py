@@ -1,0 +1,68 @@
+"""`make test`: every tier, in two pytest processes at once.
+
+A kit run on a 2-core machine keeps its cores about half busy (process start-up, Ray's waits, storage
+outages and hang timeouts the tests wait out), so the integration tier runs in one process and the
+others (unit, deploy, bench, e2e: e2e last, its image building meanwhile) in a second. Each line a
+process prints is shown as it comes, prefixed by its stream's name; each stream ends with its own
+summary and slowest tests. The exit code is the first non-zero one of the two (a stream that
+collected no test under a ``-k`` selection is not a failure unless both collected none).
+
+    python -m tests.streams [PYTEST_ARGS...]
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STREAMS = {
+    "integration": ["tests/integration"],
+    "others": ["tests/unit", "tests/deploy", "tests/bench", "tests/e2e"],
+}
+NO_TESTS = 5  # pytest's exit code when it collected nothing
+
+
+def _relay(name: str, proc: subprocess.Popen, lock: threading.Lock) -> None:
+    width = max(map(len, STREAMS))
+    for line in proc.stdout:
+        with lock:
+            sys.stdout.write(f"[{name:<{width}}] {line}")
+            sys.stdout.flush()
+
+
+def combined(codes: dict[str, int]) -> int:
+    """One exit code for the streams' (in STREAMS order)."""
+    if all(code == NO_TESTS for code in codes.values()):
+        return NO_TESTS
+    return next((code for code in codes.values() if code not in (0, NO_TESTS)), 0)
+
+
+def main(pytest_args: list[str]) -> int:
+    lock, procs, relays = threading.Lock(), {}, []
+    t0 = time.monotonic()
+    for name, paths in STREAMS.items():
+        # a base folder each: two sessions never number, lock or clean up each other's folders
+        basetemp = tempfile.mkdtemp(prefix=f"ray-app-tests-{name}-")
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *paths, f"--basetemp={basetemp}", *pytest_args], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        relays.append(threading.Thread(target=_relay, args=(name, procs[name], lock), daemon=True))
+        relays[-1].start()
+    codes = {}
+    for name, proc in procs.items():
+        codes[name] = proc.wait()
+    for relay in relays:
+        relay.join(timeout=10)
+    for name, code in codes.items():
+        print(f"[{name}] pytest exited {code}")
+    print(f"every stream done in {time.monotonic() - t0:.0f} s")
+    return combined(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
