@@ -82,11 +82,9 @@ class Trainer:
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
                                    amp=self.amp, on_eval=metrics.on_eval)
         self.pos = Position()
-        self.resumed_from_step = 0
-        self.resumed_checkpoint_unix = 0.0
+        self.resumed_from_step, self.resumed_checkpoint_unix = 0, 0.0
         self.resumed_tracking: dict = {}  # the trackers' state in the checkpoint resumed from (ray_app.tracking)
-        self.last_eval: dict = {}
-        self.last_train_loss = float("nan")
+        self.last_eval, self.last_train_loss = {}, float("nan")  # the newest evaluation's metrics, the epoch's loss
         self._evaluated_at = -1  # global step of the newest evaluation (the final one is skipped when it is this step)
         self.loss_contract = LossContract(cfg.task.name)  # the task's loss output, checked once (ray_app.guards)
         self.nonfinite = NonFinite(cfg.train.nonfinite, cfg.train.clip_grad_norm, self.rank, say=self.print0)
@@ -210,11 +208,9 @@ class Trainer:
         raise Preempted(f"preempted at step {step}; resume from {uri}")
 
     def _forward_backward(self, batch, group_size: int, sync: bool):
-        # practice 3: DDP all-reduces gradients during backward; on non-final
-        # micro-steps no_sync() skips that all-reduce (gradients accumulate locally)
-        # (FSDP: set_requires_gradient_sync(False) skips the reduce-scatter the same way; ray_app.strategy)
-        ctx = contextlib.nullcontext() if sync else no_sync(self.model)
-        with ctx:
+        # practice 3: DDP all-reduces gradients during backward; on non-final micro-steps no_sync() skips that
+        # all-reduce (gradients accumulate locally; FSDP skips its reduce-scatter the same way: ray_app.strategy)
+        with contextlib.nullcontext() if sync else no_sync(self.model):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
                 loss, n = self.loss_contract(self.task.loss(self.model, batch), batch)
             # a non-finite loss on any rank: NaN gradients on every rank (ray_app.guards)
@@ -291,8 +287,7 @@ class Trainer:
 
     def _final_metrics(self) -> dict:
         return {**self._metrics_dict(), "epochs": self.pos.epoch, "world_size": self.world_size,
-                "skipped_steps": self.nonfinite.skipped_steps,
-                "train_seconds": self.stats.train_seconds(),
+                "skipped_steps": self.nonfinite.skipped_steps, "train_seconds": self.stats.train_seconds(),
                 "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
 
     def _final_checkpoint(self, summary: dict) -> None:

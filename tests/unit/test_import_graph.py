@@ -136,3 +136,12 @@ def test_the_rooms_by_where_code_runs_hold():
     for name, mods in list(found.items())[1:]:
         for module in mods:
             assert not graph.get(module, set()) & driver, f"{module} ({name}) imports the driver's {graph[module] & driver}"
+
+
+def test_the_loop_reads_in_one_sitting_and_the_worker_entry_point_on_one_screen():
+    """The house's size limits: ``loop.py`` (the loop the README's practices point into) at most 300 lines,
+    ``worker_main`` (what every worker runs) at most 25; what grows moves into a part of its own."""
+    assert len((PACKAGE / "loop.py").read_text().splitlines()) <= 300
+    tree = ast.parse((PACKAGE / "worker.py").read_text())
+    entry = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "worker_main")
+    assert entry.end_lineno - entry.lineno + 1 <= 25
