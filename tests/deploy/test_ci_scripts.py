@@ -33,3 +33,16 @@ def test_a_policy_that_was_there_is_put_back_also_when_the_command_fails(tmp_pat
     assert out.returncode == 3 and out.stdout.strip() == "policy says 101"
     assert policy.read_text() == "#!/bin/sh\nexit 0\n" and os.access(policy, os.X_OK)
 
+
+
+def test_make_test_runs_every_tier_once_and_fails_when_either_stream_fails():
+    """`make test` (tests/streams.py): the two streams together run each tier folder exactly once, and the
+    run's exit code is a failing stream's (a stream that collected nothing under -k is not a failure)."""
+    from tests.streams import NO_TESTS, STREAMS, combined
+
+    tiers = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+    named = sorted(Path(path).name for paths in STREAMS.values() for path in paths if not path.startswith("-"))
+    assert named == tiers
+    assert combined({"integration": 0, "others": 1}) == 1 and combined({"integration": 2, "others": 0}) == 2
+    assert combined({"integration": NO_TESTS, "others": 0}) == 0
+    assert combined({"integration": NO_TESTS, "others": NO_TESTS}) == NO_TESTS
