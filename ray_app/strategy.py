@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -97,8 +98,6 @@ def grad_norm(model: torch.nn.Module, max_norm: float = 0.0) -> torch.Tensor:
         if max_norm:
             return full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         return full_value(torch.nn.utils.get_total_norm(grads))
-    import torch.distributed as dist
-
     local = [g.to_local() for g in grads]
     square = torch.nn.utils.get_total_norm(local).to(torch.float32) ** 2 if local else torch.zeros(())
     dist.all_reduce(square, group=grads[0].device_mesh.get_group() if grads else None)  # sync point: all ranks

@@ -12,6 +12,7 @@ collected no test under a ``-k`` selection is not a failure unless both collecte
 
 from __future__ import annotations
 
+import getpass
 import subprocess
 import sys
 import tempfile
@@ -49,8 +50,10 @@ def main(pytest_args: list[str]) -> int:
     lock, procs, relays = threading.Lock(), {}, []
     t0 = time.monotonic()
     for name, paths in STREAMS.items():
-        # a base folder each: two sessions never number, lock or clean up each other's folders
-        basetemp = tempfile.mkdtemp(prefix=f"ray-app-tests-{name}-")
+        # a base folder each, the same every time: two sessions never number, lock or clean up each other's
+        # folders, and pytest empties it as the next `make test` starts (what a run leaves stays bounded)
+        basetemp = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}" / f"streams-{name}"
+        basetemp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # pytest makes the folder, not its parent
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "pytest", *paths, f"--basetemp={basetemp}", *pytest_args], cwd=REPO,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -58,7 +61,12 @@ def main(pytest_args: list[str]) -> int:
         relays[-1].start()
     codes = {}
     for name, proc in procs.items():
-        codes[name] = proc.wait()
+        try:
+            codes[name] = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached both pytest processes too (one process group): let them end
+            for other in procs.values():
+                other.wait()
+            return 130
     for relay in relays:
         relay.join(timeout=10)
     for name, code in codes.items():

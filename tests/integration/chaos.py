@@ -285,10 +285,9 @@ def end_problems(run: Run, rc: int, faults: list[Fault], total_steps: int, refer
     resumes = len(re.findall(r"\) resumed from ", run.text))
     if resumes != len(faults):
         out.append(f"{resumes} restarts for {len(faults)} faults")
-    at = min((i for i in (run.text.find("Traceback"), run.text.find("Graceful shutdown of backend failed")) if i >= 0),
-             default=-1)
-    if at >= 0:  # the lines around it, so a CI log shows which process printed it and why
-        excerpt = "\n".join(run.text[:at].splitlines()[-3:] + run.text[at:].splitlines()[:25])
+    found = re.search(r"Traceback|Graceful shutdown of backend failed", run.text)
+    if found:  # the lines around it, so a CI log shows which process printed it and why
+        excerpt = "\n".join(run.text[:found.start()].splitlines()[-3:] + run.text[found.start():].splitlines()[:25])
         out.append(f"a traceback in the run's output (each restart is one line):\n{excerpt}")
     summary = summary_of(run.text)
     if summary["global_step"] != total_steps:
