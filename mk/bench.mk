@@ -19,3 +19,7 @@ bench-smoke: venv ## Every bench case once at tiny size; checks the outputs are 
 .PHONY: bench-gpu
 bench-gpu: ## On a machine with one GPU, <= 8 min: kit vs a bare loop (bf16, MFU), checkpoints, DDP vs FSDP, the GPU image (bench/gpu.sh)
 	bash bench/gpu.sh
+
+.PHONY: bench-addons
+bench-addons: venv ## Every rank's pace and the run journal, their own time inside a real 2-rank step of workloads (a), (b): cost <= 0.5 % each
+	$(PY) -m bench.addon_cost --json build/bench/addon_cost.json $(BENCH_ARGS)
