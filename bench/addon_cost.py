@@ -2,9 +2,9 @@
 
 A whole run's throughput on a 2-core machine moves by several per cent from run to run (bench/RESULTS.md),
 far more than the <= 0.5 % these add-ons may cost, so the interleaved on/off runs of cases (r) and (j)
-cannot resolve it. This times the add-ons' own work directly, in two gloo ranks running the real DDP step
-of workload (a) (resnet18) or (b) (wide_mlp): 32 samples a rank at 32x32, SGD, a log interval of 5 steps,
-one thread a rank, as the bench's kit runs have them.
+cannot resolve it. This times the add-ons' own work directly, in two gloo ranks (one thread each) running
+the real DDP step of workload (a) (resnet18) or (b) (wide_mlp) as bench/run.py configures them, built by
+the kit's own config, data, model and optimizer factories.
 
 - **pace marks** (``perf_counter`` in the loader, the forward hooks, after backward and after the
   optimizer step): the same loop with the pace on and off over a step that does almost nothing (a 4x4
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -38,20 +39,18 @@ from pathlib import Path
 
 import torch
 
-LOG_EVERY = 5  # the bench workloads' train.log_every_steps
-BATCH = 32  # samples a rank a step
-WORKLOADS = {"a": ("resnet18", 4096), "b": ("wide_mlp", 1536)}  # model, samples an epoch (2 epochs, 2 ranks)
 TARGET = 0.005
+# bench/run.py's workloads (their --set values), built as the kit builds them; "smoke" is the test's
+WORKLOADS = {"a": ("full", "compute"), "b": ("full", "comm"), "smoke": ("smoke", "compute")}
 
 
-def make_model(name: str) -> torch.nn.Module:
-    from ray_app import models
+def workload_config(name: str):
+    """The kit's config of one of bench/run.py's workloads."""
+    from bench.run import WORKLOADS as RUN_WORKLOADS
+    from ray_app.config import load_config
 
-    if name == "wide_mlp":
-        return models.wide_mlp(3, 32, 10)
-    if name == "mlp":  # the test's small model
-        return models.mlp(3, 32, 10)
-    return models.torchvision_classifier(name, 10)
+    size, kind = WORKLOADS[name]
+    return load_config(None, list(RUN_WORKLOADS[size][kind]))
 
 
 # ---------------------------------------------------------------- the pace's marks, per step
@@ -106,28 +105,33 @@ def event_write_seconds(events: int = 60) -> float:
 
 # ---------------------------------------------------------------- the real step, two gloo ranks
 
-def _rank(rank: int, world: int, port: int, model_name: str, steps: int, folder: str, out) -> None:
+def _rank(rank: int, world: int, port: int, workload: str, steps: int, folder: str, out) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
 
     from ray_app.journal import JournalSink, JournalWriter
     from ray_app.metrics import PrometheusMetrics
     from ray_app.pace import Pace
+    from ray_app.parts import build_optimizer
+    from ray_app.plugins import build_data, build_model
     from ray_app.storage import LocalStorage
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(rank)
-    model = make_model(model_name)
+    cfg = workload_config(workload)
+    train_set, _, info = build_data(cfg)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg, info)
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    opt, _ = build_optimizer(cfg, ddp, steps_per_epoch=steps, total_steps=steps)
     loss_fn = torch.nn.CrossEntropyLoss()
-    warmup = 5
-    batches = [(torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))) for _ in range(4)]
+    warmup, batch, log_every = 5, cfg.data.batch_size, cfg.train.log_every_steps
+    batches = [b for _, b in zip(range(4), DataLoader(train_set, batch_size=batch))]
     loader = [batches[i % len(batches)] for i in range(warmup + steps)]
     metrics = PrometheusMetrics(0)  # rank 0's gauges, set as the kit sets them (no HTTP server needed)
-    pace = Pace(rank, world, model, metrics, torch.device("cpu"), BATCH, say=lambda *_: None)
+    pace = Pace(rank, world, model, metrics, torch.device("cpu"), batch, say=lambda *_: None)
     sink = None
     if rank == 0:
         storage = LocalStorage(folder)
@@ -147,7 +151,7 @@ def _rank(rank: int, world: int, port: int, model_name: str, steps: int, folder:
         if sink is not None:
             sink.on_step(0.0)
         spent = cpu() - c0
-        if i % LOG_EVERY == 0:
+        if i % log_every == 0:
             dist.barrier()  # not timed: the ranks' phase difference, which the next all-reduce would hold anyway
             t0 = time.perf_counter()
             pace.exchange(i)
@@ -167,11 +171,11 @@ def _rank(rank: int, world: int, port: int, model_name: str, steps: int, folder:
         sink.close()
     dist.destroy_process_group()
     out.put({"rank": rank, "step_s": statistics.median(walls),
-             "exchange_s": statistics.median(exchanges) / LOG_EVERY,  # the median exchange, once an interval
+             "exchange_s": statistics.median(exchanges) / log_every,  # the median exchange, once an interval
              "journal_s": journal / steps})
 
 
-def real_step(model_name: str, steps: int) -> dict:
+def real_step(workload: str, steps: int) -> dict:
     """Both ranks' median step, and the exchange's and the journal's seconds per step (rank 0's journal)."""
     import torch.multiprocessing as mp
 
@@ -181,10 +185,19 @@ def real_step(model_name: str, steps: int) -> dict:
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as folder:
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, model_name, steps, folder, out)) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, workload, steps, folder, out)) for r in range(2)]
         for p in procs:
             p.start()
-        rows = [out.get(timeout=900) for _ in procs]
+        rows = []
+        while len(rows) < len(procs):
+            try:
+                rows.append(out.get(timeout=1.0))
+            except queue.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:  # one rank raised: the other waits in a collective for ever
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(f"rank {failed[0]} of the measured step failed (its traceback is above)")
         for p in procs:
             p.join(timeout=60)
     rows.sort(key=lambda r: r["rank"])
@@ -197,13 +210,13 @@ def measure(workloads: list[str], steps: int) -> dict:
     write = event_write_seconds()
     result = {"marks_s_per_step": marks, "event_write_s": write, "workloads": {}}
     for w in workloads:
-        model_name, samples = WORKLOADS[w]
-        run_steps = 2 * samples // (2 * BATCH)  # 2 epochs, 2 ranks of BATCH
-        events = 3 + 2  # attempt, first step, trained; a checkpoint an epoch (the bench runs have none)
-        r = real_step(model_name, steps)
+        cfg = workload_config(w)
+        run_steps = cfg.train.epochs * cfg.data.args["num_samples"] // (2 * cfg.data.batch_size)  # 2 ranks
+        events = 3 + cfg.train.epochs  # attempt, first step, trained; at most a checkpoint an epoch
+        r = real_step(w, steps)
         pace = marks + r["exchange_s"]
         journal = r["journal_s"] + events * write / run_steps
-        result["workloads"][w] = {**r, "model": model_name, "pace_s": pace, "journal_total_s": journal,
+        result["workloads"][w] = {**r, "model": cfg.model.name, "pace_s": pace, "journal_total_s": journal,
                                   "pace_cost": pace / r["step_s"], "journal_cost": journal / r["step_s"]}
     return result
 
@@ -227,12 +240,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = set(workloads) - set(WORKLOADS)
+    unknown = set(workloads) - {"a", "b"}
     if unknown:
-        p.error(f"unknown workloads {sorted(unknown)}; use a subset of {','.join(WORKLOADS)}")
+        p.error(f"unknown workloads {sorted(unknown)}; use a subset of a,b")
     result = measure(workloads, args.steps)
     print(table(result))
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     over = [w for w, r in result["workloads"].items() if max(r["pace_cost"], r["journal_cost"]) > TARGET]
     return 1 if over else 0

@@ -6,7 +6,7 @@ from bench import addon_cost
 
 
 def test_the_add_ons_own_time_is_measured_inside_a_real_two_rank_step():
-    r = addon_cost.real_step("mlp", 10)  # two gloo ranks, rank 0's journal to a local folder
+    r = addon_cost.real_step("smoke", 10)  # two gloo ranks, rank 0's journal to a local folder
     assert r["step_s"] > 0
     assert 0 < r["exchange_s"] < r["step_s"], r  # one all_gather a log interval, spread over its steps
     assert 0 < r["journal_s"] < r["step_s"], r
