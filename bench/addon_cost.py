@@ -197,7 +197,7 @@ def real_step(workload: str, steps: int) -> dict:
                 if failed:  # one rank raised: the other waits in a collective for ever
                     for p in procs:
                         p.kill()
-                    raise RuntimeError(f"rank {failed[0]} of the measured step failed (its traceback is above)")
+                    raise RuntimeError(f"rank {failed[0]} of the measured step failed (its traceback is above)") from None
         for p in procs:
             p.join(timeout=60)
     rows.sort(key=lambda r: r["rank"])
