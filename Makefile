@@ -35,7 +35,7 @@ sweep: venv ## Sweep the default config over configs/sweeps/digits.yaml (Ray Tun
 	$(VENV)/bin/ray-app sweep --config $(CONFIG) --space $(or $(SPACE),configs/sweeps/digits.yaml) --set run.name=digits-sweep $(ARGS)
 
 .PHONY: test
-test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker), integration beside the rest; CI's run
+test: venv ## Run every test tier (unit, deploy, bench, integration, e2e; e2e needs Docker), integration modules side by side, longest first; CI's run
 	$(PY) -m tests.streams --durations=25 $(PYTEST_ARGS)
 
 .PHONY: test-long

@@ -14,8 +14,8 @@ from tests.support.ports import free_port
 from tests.support.processes import run_cli
 
 TESTS = Path(__file__).resolve().parent
-# seconds per test, fixtures included: the slowest test of each tier measured (under make test's two
-# streams at once), times two or more
+# seconds per test, fixtures included: the slowest test of each tier measured (under make test's units
+# side by side), times two or more
 TIER_TIMEOUT_S = {"unit": 180, "deploy": 180, "bench": 600, "integration": 600, "e2e": 900}
 # the first e2e test that needs the image also builds it (docker/build-offline.sh allows 1500 s)
 IMAGE_BUILD_TIMEOUT_S = 1500 + TIER_TIMEOUT_S["e2e"]

@@ -1,13 +1,19 @@
-"""`make test`: every tier, in two pytest processes at once.
+"""`make test`: every tier, in pytest processes side by side, the longest first.
 
-A kit run on a 2-core machine keeps its cores about half busy (process start-up, Ray's waits, storage
-outages and hang timeouts the tests wait out), so the integration tier runs in one process and the
-others (unit, deploy, bench, e2e: e2e last, its image building meanwhile) in a second. Each line a
-process prints is shown as it comes, prefixed by its stream's name; each stream ends with its own
-summary and slowest tests. The exit code is the first non-zero one of the two (a stream that
-collected no test under a ``-k`` selection is not a failure unless both collected none).
+The work is cut into units, each one pytest process: the unit, deploy, bench and e2e tiers together
+("others": e2e last, its image building meanwhile) and each module of the integration tier. A kit run on a
+2-core machine keeps its cores about a third busy (process start-up, Ray's waits, storage outages and hang
+timeouts the tests wait out), while "others" keeps them busy on its own. So units start longest first
+(their measured seconds below; a module not listed counts as NEW_MODULE_S) for as long as their weights fit
+in SLOTS: "others" weighs 2 and an integration module 1, so one integration module runs beside "others" and
+three side by side once it is done.
 
-    python -m tests.streams [PYTEST_ARGS...]
+Each line a process prints is shown as it comes, prefixed by its unit's name; at the end, one line per unit
+(its exit code and wall seconds) and the slowest tests of all units together. The exit code is the first
+non-zero one in unit order (a unit that collected no test under a ``-k`` selection is not a failure
+unless none collected any).
+
+    python -m tests.streams [--durations=N] [PYTEST_ARGS...]
 """
 
 from __future__ import annotations
@@ -18,61 +24,146 @@ import sys
 import tempfile
 import threading
 import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Measured on 2 cores, clean clone, whole .ci/run: the integration tier alone in one stream 1865 s (streams
-# 1744 s and 1065 s); with two integration modules moved to the other stream 2002 s (1869 s and 1567 s): the
-# cores are saturated while both run, so the split stays by tier.
-STREAMS = {
-    "integration": ["tests/integration"],
-    "others": ["tests/unit", "tests/deploy", "tests/bench", "tests/e2e"],
+OTHERS = ["tests/unit", "tests/deploy", "tests/bench", "tests/e2e"]
+INTEGRATION = "tests/integration"
+SLOTS = 3
+WEIGHT = {"others": 2}  # an integration module: 1
+# Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once): only
+# the order they start in depends on them.
+MEASURED_S = {
+    "others": 1085,
+    "test_s3_checkpoints": 430, "test_run_faults": 420, "test_sweep": 290, "test_user_project": 210,
+    "test_storage_outage": 195, "test_examples": 160, "test_script_mode": 160, "test_shards_train": 145,
+    "test_faults": 120, "test_chaos": 120, "test_metrics_prometheus": 120, "test_tracking_mlflow": 85,
+    "test_train_local": 80, "test_world_size": 70, "test_local_sockets": 40, "test_eval_passes": 40,
 }
+NEW_MODULE_S = 60
 NO_TESTS = 5  # pytest's exit code when it collected nothing
 
 
-def _relay(name: str, proc: subprocess.Popen, lock: threading.Lock) -> None:
-    width = max(map(len, STREAMS))
-    for line in proc.stdout:
+@dataclass
+class Unit:
+    name: str
+    paths: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+    code: int | None = None
+    relay: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def weight(self) -> int:
+        return WEIGHT.get(self.name, 1)
+
+
+def units() -> list[Unit]:
+    """Every unit, longest first; each integration module found on disk is one (a new one is never left out)."""
+    found = [Unit("others", OTHERS)] + [Unit(p.stem, [str(p.relative_to(REPO))])
+                                        for p in sorted((REPO / INTEGRATION).glob("test_*.py"))]
+    return sorted(found, key=lambda u: -MEASURED_S.get(u.name, NEW_MODULE_S))
+
+
+def next_to_start(pending: list[Unit], free: int) -> Unit | None:
+    """The longest pending unit that fits in ``free`` slots; none while the longest does not fit (it would
+    otherwise wait behind ever more short ones)."""
+    if pending and pending[0].weight <= free:
+        return pending[0]
+    return None
+
+
+def combined(codes: list[int]) -> int:
+    """One exit code for the units' (in unit order)."""
+    if all(code == NO_TESTS for code in codes):
+        return NO_TESTS
+    return next((code for code in codes if code not in (0, NO_TESTS)), 0)
+
+
+def slowest(reports: list[Path], n: int) -> list[tuple[float, str]]:
+    """The ``n`` slowest tests over the units' JUnit reports (setup, call and teardown together)."""
+    times = []
+    for report in reports:
+        try:
+            root = ET.parse(report).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        for case in root.iter("testcase"):
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            times.append((float(case.get("time", 0)), name))
+    return sorted(times, reverse=True)[:n]
+
+
+def split_durations(args: list[str]) -> tuple[int, list[str]]:
+    """``--durations=N`` is the scheduler's (one list over every unit), the rest pytest's."""
+    n, rest = 0, []
+    for arg in args:
+        if arg.startswith("--durations="):
+            n = int(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    return n, rest
+
+
+def _relay(unit: Unit, width: int, lock: threading.Lock) -> None:
+    for line in unit.proc.stdout:
         with lock:
-            sys.stdout.write(f"[{name:<{width}}] {line}")
+            sys.stdout.write(f"[{unit.name:<{width}}] {line}")
             sys.stdout.flush()
 
 
-def combined(codes: dict[str, int]) -> int:
-    """One exit code for the streams' (in STREAMS order)."""
-    if all(code == NO_TESTS for code in codes.values()):
-        return NO_TESTS
-    return next((code for code in codes.values() if code not in (0, NO_TESTS)), 0)
+def _start(unit: Unit, pytest_args: list[str], base: Path, width: int, lock: threading.Lock) -> None:
+    # a base folder each, the same every time: two sessions never number, lock or clean up each other's
+    # folders, and pytest empties it as the next `make test` starts (what a run leaves stays bounded)
+    basetemp = base / f"streams-{unit.name}"
+    unit.proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *unit.paths, f"--basetemp={basetemp}",
+         f"--junitxml={base / f'streams-{unit.name}.xml'}", *pytest_args], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    unit.started = time.monotonic()
+    unit.relay = threading.Thread(target=_relay, args=(unit, width, lock), daemon=True)
+    unit.relay.start()
 
 
-def main(pytest_args: list[str]) -> int:
-    lock, procs, relays = threading.Lock(), {}, []
-    t0 = time.monotonic()
-    for name, paths in STREAMS.items():
-        # a base folder each, the same every time: two sessions never number, lock or clean up each other's
-        # folders, and pytest empties it as the next `make test` starts (what a run leaves stays bounded)
-        basetemp = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}" / f"streams-{name}"
-        basetemp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # pytest makes the folder, not its parent
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "pytest", *paths, f"--basetemp={basetemp}", *pytest_args], cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        relays.append(threading.Thread(target=_relay, args=(name, procs[name], lock), daemon=True))
-        relays[-1].start()
-    codes = {}
-    for name, proc in procs.items():
-        try:
-            codes[name] = proc.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached both pytest processes too (one process group): let them end
-            for other in procs.values():
-                other.wait()
-            return 130
-    for relay in relays:
-        relay.join(timeout=10)
-    for name, code in codes.items():
-        print(f"[{name}] pytest exited {code}")
-    print(f"every stream done in {time.monotonic() - t0:.0f} s")
-    return combined(codes)
+def main(args: list[str]) -> int:
+    n_slowest, pytest_args = split_durations(args)
+    base = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)  # pytest makes each unit's folder, not its parent
+    pending, running, done = units(), [], []
+    width = max(len(u.name) for u in pending)
+    lock, t0 = threading.Lock(), time.monotonic()
+    try:
+        while pending or running:
+            free = SLOTS - sum(u.weight for u in running)
+            unit = next_to_start(pending, free)
+            if unit is not None:
+                pending.remove(unit)
+                _start(unit, pytest_args, base, width, lock)
+                running.append(unit)
+                continue
+            time.sleep(0.5)
+            for unit in [u for u in running if u.proc.poll() is not None]:
+                unit.code, unit.seconds = unit.proc.returncode, time.monotonic() - unit.started
+                unit.relay.join(timeout=10)
+                running.remove(unit)
+                done.append(unit)
+    except KeyboardInterrupt:  # Ctrl-C reached the pytest processes too (one process group): let them end
+        for unit in running:
+            unit.proc.wait()
+        return 130
+    print(f"{'unit':<{width}}  exit  seconds")
+    for unit in done:
+        print(f"{unit.name:<{width}}  {unit.code:>4}  {unit.seconds:7.0f}")
+    if n_slowest:
+        print(f"slowest {n_slowest} tests of every unit:")
+        for seconds, name in slowest([base / f"streams-{u.name}.xml" for u in done], n_slowest):
+            print(f"{seconds:8.2f}s {name}")
+    print(f"every unit done in {time.monotonic() - t0:.0f} s")
+    order = {u.name: i for i, u in enumerate(units())}
+    return combined([u.code for u in sorted(done, key=lambda u: order[u.name])])
 
 
 if __name__ == "__main__":

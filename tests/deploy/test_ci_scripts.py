@@ -35,14 +35,32 @@ def test_a_policy_that_was_there_is_put_back_also_when_the_command_fails(tmp_pat
 
 
 
-def test_make_test_runs_every_tier_once_and_fails_when_either_stream_fails():
-    """`make test` (tests/streams.py): the two streams together run each tier folder exactly once, and the
-    run's exit code is a failing stream's (a stream that collected nothing under -k is not a failure)."""
-    from tests.streams import NO_TESTS, STREAMS, combined
+def test_make_test_runs_every_tier_once_longest_first_and_fails_when_any_unit_fails(tmp_path):
+    """`make test` (tests/streams.py): its units together name each tier folder and each integration module
+    exactly once (a new module is found, not listed by hand), they start longest first within the slots,
+    and the run's exit code is a failing unit's (a unit that collected nothing under -k is not a failure)."""
+    from tests.streams import NO_TESTS, SLOTS, combined, next_to_start, slowest, units
 
+    found = units()
     tiers = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
-    named = sorted(Path(path).name for paths in STREAMS.values() for path in paths if not path.startswith("-"))
-    assert named == tiers
-    assert combined({"integration": 0, "others": 1}) == 1 and combined({"integration": 2, "others": 0}) == 2
-    assert combined({"integration": NO_TESTS, "others": 0}) == 0
-    assert combined({"integration": NO_TESTS, "others": NO_TESTS}) == NO_TESTS
+    named = [Path(path) for u in found for path in u.paths]
+    assert sorted({p.parts[1] for p in named}) == tiers
+    modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "integration").glob("test_*.py"))
+    assert sorted(str(p) for p in named if p.parts[1] == "integration") == modules
+    assert len(named) == len(set(named))
+    assert found[0].name == "others" and found[0].weight == 2 <= SLOTS
+    # beside "others", one module at a time; the longest pending one waits for room rather than be overtaken
+    assert next_to_start(found[1:], SLOTS - 2) is found[1]
+    assert next_to_start(found, 1) is None and next_to_start([], SLOTS) is None
+    assert combined([0, 1]) == 1 and combined([2, 0]) == 2 and combined([0, 1, 2]) == 1
+    assert combined([NO_TESTS, 0]) == 0
+    assert combined([NO_TESTS, NO_TESTS]) == NO_TESTS
+    # the slowest tests, over every unit's JUnit report (one unreadable report is left out)
+    (tmp_path / "a.xml").write_text('<testsuites><testsuite><testcase classname="tests.unit.test_a" name="test_x" '
+                                    'time="1.5"/><testcase classname="tests.unit.test_a" name="test_y" time="9"/>'
+                                    '</testsuite></testsuites>')
+    (tmp_path / "b.xml").write_text('<testsuites><testsuite><testcase classname="tests.integration.test_b" '
+                                    'name="test_z[1]" time="4.25"/></testsuite></testsuites>')
+    (tmp_path / "c.xml").write_text("<testsuites>")
+    assert slowest([tmp_path / n for n in ("a.xml", "b.xml", "c.xml", "d.xml")], 2) == [
+        (9.0, "tests/unit/test_a.py::test_y"), (4.25, "tests/integration/test_b.py::test_z[1]")]
