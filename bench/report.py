@@ -274,7 +274,7 @@ def write(out: Path, rows: list[dict], runner, machine: dict, mode: str, results
     results_json.write_text(json.dumps(
         {"machine": machine, "rows": rows, "runs": list(runner.results.values()),
          "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s,
-         "shards_written": runner.shards_written}, indent=1, default=str))
+         "shards_written": runner.shards_written, "addon_cost": runner.addon_cost}, indent=1, default=str))
     chart(out / "results.png", rows, runner)
 
 

@@ -265,6 +265,7 @@ class Runner:
         self.earlier: dict[str, Runner] = {}
         self.cluster_start_s: list[float] = []
         self.shards_written: dict[str, dict] = {}  # case -> `ray-app data write`'s summary line
+        self.addon_cost: dict = {}  # cases (r), (j): bench/addon_cost.py's figures, timed inside the step
 
     def needs(self, pred) -> bool:
         return any(pred(s) for c in self.cases for s in self.plan.specs[c].values())
@@ -687,8 +688,22 @@ def _on_off_cost(case: str, what: str):
                             "from the median per-round ratio)", med(ons, "steady_sps"), med(offs, "steady_sps"), cost,
                             "<= 0.005", cost is not None and cost <= 0.005,
                             paired(ons, offs, "steady_sps") + " (on / off)"))
-        return out
+        return out + in_step_rows(case, what, r.addon_cost)
     return rows
+
+
+IN_STEP = {"r": ("pace_s", "pace_cost"), "j": ("journal_total_s", "journal_cost")}
+
+
+def in_step_rows(case: str, what: str, figures: dict) -> list[dict]:
+    """``what``'s own time inside the real two-rank step of each workload (bench/addon_cost.py): the
+    whole-run ratio above moves by several per cent between runs on 2 cores, this resolves 0.5 %."""
+    if case not in IN_STEP:
+        return []
+    seconds, cost = IN_STEP[case]
+    return [_row(case, f"{what}'s own time inside the step, ({w}) {f['model']} (us a step vs the step's ms; "
+                 "ratio = cost; bench/addon_cost.py)", f[seconds] * 1e6, f["step_s"] * 1e3, f[cost], "<= 0.005",
+                 f[cost] <= 0.005) for w, f in figures.get("workloads", {}).items()]
 
 
 # one overlapped all-reduce per step
@@ -756,6 +771,8 @@ def merge(runner: Runner, cases: list[str], old: dict, machine: dict) -> list[st
     mine = Runner.saved(runner.plan, old["runs"], runner.ctx.workdir)
     kept = [c for c in mine.cases if c not in cases]
     runner.earlier.update({c: mine for c in kept})
+    if not runner.addon_cost:  # (r) and (j) not re-run now: their in-step figures are the earlier bench's
+        runner.addon_cost = old.get("addon_cost", {})
     attach_earlier(runner, old.get("earlier", []), lambda c: c not in cases)  # what that bench had merged itself
     if not runner.earlier:
         return runner.cases
@@ -814,11 +831,17 @@ def main(argv=None) -> int:
         runner.cases = [c for c in plan.specs if c in cases]
         runner.cluster_start_s = saved.get("cluster_start_s", [])
         runner.shards_written = saved.get("shards_written", {})
+        runner.addon_cost = saved.get("addon_cost", {})
         machine = saved["machine"]
     else:
         with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
                     jobs=(args.jobs or 3) if args.smoke else 1) as runner:
             runner.run_all()
+            if {"r", "j"} & set(cases):  # their own time inside the step, resolving what the runs cannot
+                from bench import addon_cost
+
+                print("[bench] (r), (j): the pace's and the journal's own time inside the step", flush=True)
+                runner.addon_cost = addon_cost.measure(["smoke"] if args.smoke else ["a", "b"], 10 if args.smoke else 40)
         machine["load_average_after"] = report.load_average()
         machine["kit_after"] = report.kit_version()  # the tree may change during a long bench
         machine["bench_minutes"] = round((time.time() - t0) / 60, 1)
@@ -827,7 +850,8 @@ def main(argv=None) -> int:
     # the figures first: a report that fails to render can be redone with --report-only
     saved_json.write_text(json.dumps({"machine": machine, "runs": list(runner.results.values()),
                                       "earlier": runner.saved_earlier(), "cluster_start_s": runner.cluster_start_s,
-                                      "shards_written": runner.shards_written}, default=str))
+                                      "shards_written": runner.shards_written, "addon_cost": runner.addon_cost},
+                                     default=str))
     rows = [row for c in cases for row in rows_for(c, runner)]
     report.write(out, rows, runner, machine, mode=mode, results_json=saved_json)
     bad = problems(runner, rows)
