@@ -36,11 +36,11 @@ WEIGHT = {"others": 2}  # an integration module: 1
 # Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once): only
 # the order they start in depends on them.
 MEASURED_S = {
-    "others": 1085,
-    "test_s3_checkpoints": 430, "test_run_faults": 420, "test_sweep": 290, "test_user_project": 210,
-    "test_storage_outage": 195, "test_examples": 160, "test_script_mode": 160, "test_shards_train": 145,
-    "test_faults": 120, "test_chaos": 120, "test_metrics_prometheus": 120, "test_tracking_mlflow": 85,
-    "test_train_local": 80, "test_world_size": 70, "test_local_sockets": 40, "test_eval_passes": 40,
+    "others": 1012,
+    "test_user_project": 297, "test_storage_outage": 278, "test_faults": 237, "test_run_faults": 217,
+    "test_script_mode": 201, "test_shards_train": 195, "test_sweep": 178, "test_examples": 171,
+    "test_s3_checkpoints": 149, "test_chaos": 144, "test_train_local": 124, "test_tracking_mlflow": 113,
+    "test_metrics_prometheus": 78, "test_world_size": 65, "test_local_sockets": 38, "test_eval_passes": 1,
 }
 NEW_MODULE_S = 60
 NO_TESTS = 5  # pytest's exit code when it collected nothing
@@ -156,7 +156,8 @@ def main(args: list[str]) -> int:
         return 130
     print(f"{'unit':<{width}}  exit  seconds")
     for unit in done:
-        print(f"{unit.name:<{width}}  {unit.code:>4}  {unit.seconds:7.0f}")
+        note = "  (no test selected)" if unit.code == NO_TESTS else ""
+        print(f"{unit.name:<{width}}  {unit.code:>4}  {unit.seconds:7.0f}{note}")
     if n_slowest:
         print(f"slowest {n_slowest} tests of every unit:")
         for seconds, name in slowest([base / f"streams-{u.name}.xml" for u in done], n_slowest):
