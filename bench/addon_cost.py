@@ -205,9 +205,9 @@ def real_step(workload: str, steps: int) -> dict:
             "journal_s": rows[0]["journal_s"]}
 
 
-def measure(workloads: list[str], steps: int) -> dict:
-    marks = marks_seconds()
-    write = event_write_seconds()
+def measure(workloads: list[str], steps: int, marks_steps: int = 4000, marks_rounds: int = 9, events: int = 60) -> dict:
+    marks = marks_seconds(marks_steps, marks_rounds)
+    write = event_write_seconds(events)
     result = {"marks_s_per_step": marks, "event_write_s": write, "workloads": {}}
     for w in workloads:
         cfg = workload_config(w)
