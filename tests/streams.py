@@ -35,8 +35,9 @@ SLOTS = 3
 WEIGHT = {"others": 2}  # an integration module: 1
 # Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once): only
 # the order they start in depends on them. That run took 1618 s in all, the next one 1585 s; the same machine
-# took 1832 s with the integration tier in one process beside the rest (its cores 30-50 % idle once the rest
-# was done). Both phases now keep the cores 90-99 % busy: less time needs less work, not more processes.
+# took 1832 s with the integration tier in one process beside the rest (its cores 24-48 % busy once the rest
+# was done). Now they are 85-99 % busy in most 30 s samples of both phases (a few dips to 39-77 %): less time
+# needs less work, not more processes.
 MEASURED_S = {
     "others": 1012,
     "test_user_project": 297, "test_storage_outage": 278, "test_faults": 237, "test_run_faults": 217,
