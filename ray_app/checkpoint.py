@@ -328,7 +328,7 @@ class Checkpointer:
 
     def __init__(self, storage, run: str, report, *, every_epochs: int = 1, every_steps: int = 0,
                  resume_from: str = "", warn=log.warning, staged: bool = False, retry_s: float = 0.0,
-                 wait_s: float = 300.0):
+                 wait_s: float = 300.0, writer: str = "thread"):
         self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
         self.retry_s = retry_s  # the budget of run.resume_from's storage (failure.storage_retry_s)
         self.every_epochs, self.every_steps, self.staged = every_epochs, every_steps, staged
@@ -345,6 +345,8 @@ class Checkpointer:
         self._share: threading.Thread | None = None  # this rank's staged share, writing and uploading
         self._share_error: BaseException | None = None
         self._group = None
+        self.writer = writer  # staged shares: written on a thread, or by DCP's checkpoint process
+        self._stager = None  # the process writer's shared-memory buffers
 
     # ------------------------------------------------------------ cadence
     def plan(self, *, batches_per_epoch: int, epochs: int, max_steps: int = 0) -> None:
@@ -467,11 +469,18 @@ class Checkpointer:
         model_sd, optim_sd = sharded.own_share(*train_state(model, optimizer), rank, world_size)
         if self.staged:
             group = self._share_group()
-            model_sd, optim_sd = _cpu_copy(model_sd), _cpu_copy(optim_sd)
+            if self.writer == "process":
+                if self._stager is None:
+                    self._stager = sharded.shared_memory_stager()
+                staged = self._stager.stage({"model": model_sd, "optim": optim_sd})
+                write = lambda: sharded.write_state_in_process(local, staged, group)  # noqa: E731
+            else:
+                model_sd, optim_sd = _cpu_copy(model_sd), _cpu_copy(optim_sd)
+                write = lambda: sharded.write_state(local, model_sd, optim_sd, group)  # noqa: E731
 
             def share() -> None:
                 try:
-                    sharded.write_state(local, model_sd, optim_sd, group)
+                    write()
                     sharded.upload_share(local, self.storage, rel, rank)
                 except BaseException as exc:  # raised on the training thread at the next checkpoint or the end
                     self._share_error = exc

@@ -127,6 +127,9 @@ class CheckpointSection:
     keep: int = _f(3, "Newest committed checkpoints kept (older ones deleted).", min=1)
     upload: str = _f("sync", "sync blocks training while the checkpoint is written and uploaded; "
                      "async copies the state and writes + uploads it in the background.", choices=["sync", "async"])
+    async_writer: str = _f("thread", "With upload: async, what writes a rank's share: a thread of the training "
+                           "process, or process: DCP's checkpoint process (no GIL shared with training; it "
+                           "starts at the first checkpoint, a few seconds).", choices=["thread", "process"])
 
 
 @dataclass

@@ -74,6 +74,45 @@ def write_state(local: Path, model_sd: dict, optim_sd: dict, group=None) -> None
         dcp.save(sd, storage_writer=FileSystemWriter(local / name, sync_files=False), process_group=group)
 
 
+class _AsStaged:
+    """An ``AsyncStager`` that hands DCP the state as it is: the kit staged it already, on the training thread."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def shared_memory_stager():
+    """Copies a rank's share into shared memory, the same buffers at every checkpoint (allocated at the first):
+    what DCP's checkpoint process reads without another copy."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=False,
+                                        use_non_blocking_copy=False))
+
+
+def write_state_in_process(local: Path, staged: dict, group) -> None:
+    """``write_state`` done by DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``): serializing and writing
+    run in a process of their own, so they share no GIL with training. One such process a training process,
+    started by the first call (a few seconds: a Python with torch, and a gloo group of those processes planned
+    over ``group``, which every rank passes at the same point). Called from a background thread; returns when
+    the files are written."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    for name in ("model", "optim"):
+        dcp.async_save(staged[name], storage_writer=FileSystemWriter(local / name, sync_files=False),
+                       process_group=group, async_stager=_AsStaged(),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+
+
 def upload_share(local: Path, storage, rel: str, rank: int) -> dict:
     """Upload every file under ``local`` (this rank's), then ``parts/rank_{rank}.json`` listing them with their
     sha256 and size (the sign that this rank's share is complete). Returns that listing."""

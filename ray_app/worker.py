@@ -128,7 +128,8 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
 
     checkpointer = Checkpointer(runtime.storage, cfg.run.name, runtime.report, every_epochs=cfg.checkpoint.every_epochs,
                                 every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
-                                staged=cfg.checkpoint.upload == "async", retry_s=cfg.failure.storage_retry_s,
+                                staged=cfg.checkpoint.upload == "async", writer=cfg.checkpoint.async_writer,
+                                retry_s=cfg.failure.storage_retry_s,
                                 wait_s=cfg.failure.hang_timeout_s,
                                 warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
     if job.get("lease_token"):  # no commit once another driver holds the run (this one's was killed)

@@ -36,6 +36,7 @@ RUNS = {  # name -> (overrides, crash after checkpoint number or None)
     "fsdp-ref": (FSDP + NO_CKPT, None),
     "fsdp-mid": (FSDP + EVERY5, 1),  # crash after step 5, mid-epoch 0
     "fsdp-async": (FSDP + EVERY5 + ["checkpoint.upload=async"], 1),
+    "fsdp-async-process": (FSDP + EVERY5 + ["checkpoint.upload=async", "checkpoint.async_writer=process"], 1),
     "ddp-1": (ACCUM2 + ["train.epochs=1"], None),
 }
 
@@ -54,13 +55,17 @@ def _fit(rank: int, world: int, cfg, crash_after=None) -> dict:
     metrics = RecordingMetrics()
     ckpt = Checkpointer(LocalStorage(cfg.run.storage), cfg.run.name, rt.report, every_epochs=cfg.checkpoint.every_epochs,
                         every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from, warn=print,
-                        staged=staged, wait_s=60)
+                        staged=staged, wait_s=60, writer=cfg.checkpoint.async_writer)
     trainer = Trainer(cfg, rt, build_parts(cfg, rt), ckpt, metrics)
     try:
         summary = trainer.fit()
         rt.drain()
     except SimulatedCrash:
         summary = None
+        try:  # a real crash ends the process and its writer; here the next run shares them: let this share end
+            ckpt._join_share()
+        except Exception:
+            pass
     return {"summary": summary, "params": _full(trainer.model), "resumed_from_step": trainer.resumed_from_step,
             "losses": [p["train_loss"] for p in metrics.progress]}
 
@@ -148,7 +153,7 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("name", ["fsdp-mid", "fsdp-async"])
+@pytest.mark.parametrize("name", ["fsdp-mid", "fsdp-async", "fsdp-async-process"])
 def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_identical(fsdp_runs, name):
     r, ref = fsdp_runs["first"][name], fsdp_runs["first"]["fsdp-ref"]
     assert r["crashed"]["summary"] is None and r["resumed"]["resumed_from_step"] == 5
