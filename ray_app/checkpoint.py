@@ -471,6 +471,7 @@ class Checkpointer:
             group = self._share_group()
             if self.writer == "process":
                 if self._stager is None:
+                    sharded.check_shared_memory(sharded.share_bytes(model_sd, optim_sd), rank)
                     self._stager = sharded.shared_memory_stager()
                 staged = self._stager.stage({"model": model_sd, "optim": optim_sd})
                 write = lambda: sharded.write_state_in_process(local, staged, group)  # noqa: E731

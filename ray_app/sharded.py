@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -90,6 +91,52 @@ class _AsStaged:
         pass
 
 
+class _QuietWriter(FileSystemWriter):
+    """The ``FileSystemWriter`` sent to DCP's checkpoint process. That process sets its root logger to INFO and
+    logs four lines at each save (eight a checkpoint, per rank); unpickled there, this writer sets that
+    process's root logger back to WARNING, so only its start-up lines reach the run's output."""
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def share_bytes(*state_dicts: dict) -> int:
+    """Bytes of the tensors a rank holds in these state dicts (a DTensor: its local shard)."""
+    def walk(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            t = obj.to_local() if _is_dtensor(obj) else obj
+            return t.numel() * t.element_size()
+        if isinstance(obj, dict):
+            return sum(walk(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(v) for v in obj)
+        return 0
+
+    return sum(walk(sd) for sd in state_dicts)
+
+
+SHM = "/dev/shm"
+
+
+def check_shared_memory(need: int, rank: int, shm: str = SHM) -> None:
+    """Refuse, before any buffer is made, a share that does not fit in ``shm``: a tmpfs that fills while a
+    buffer is written kills the process with SIGBUS (a container's default /dev/shm is 64 MiB)."""
+    import os
+
+    from ray_app.errors import ConfigError
+
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return  # no /dev/shm to check: torch reports what it cannot map
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ConfigError(f"checkpoint.async_writer=process: rank {rank}'s share ({need / 2**20:.0f} MiB) does not fit "
+                          f"in {shm} ({free / 2**20:.0f} MiB free); give the container a larger {shm} (a memory-backed "
+                          f"emptyDir, docker --shm-size) or set checkpoint.async_writer=thread")
+
+
 def shared_memory_stager():
     """Copies a rank's share into shared memory, the same buffers at every checkpoint (allocated at the first):
     what DCP's checkpoint process reads without another copy."""
@@ -108,7 +155,7 @@ def write_state_in_process(local: Path, staged: dict, group) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     for name in ("model", "optim"):
-        dcp.async_save(staged[name], storage_writer=FileSystemWriter(local / name, sync_files=False),
+        dcp.async_save(staged[name], storage_writer=_QuietWriter(local / name, sync_files=False),
                        process_group=group, async_stager=_AsStaged(),
                        async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
 

@@ -363,3 +363,23 @@ def test_fsdp_gradient_norm_and_clipping_equal_the_unsharded_models(port_picker,
     torch.testing.assert_close(got["after"], torch.tensor(1.0), rtol=1e-4, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_share_that_does_not_fit_in_shared_memory_is_refused_before_any_buffer(tmp_path):
+    """checkpoint.async_writer=process stages into /dev/shm; a share bigger than its free space is a clear error
+    (a tmpfs that fills while a buffer is written would kill the worker with SIGBUS)."""
+    import os
+
+    from ray_app import sharded
+    from ray_app.errors import ConfigError
+
+    model = {"w": torch.zeros(1000, 10), "b": torch.zeros(10, dtype=torch.float64)}
+    optim = {"state": {"w": {"exp_avg": torch.zeros(1000, 10), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1.0}]}
+    need = sharded.share_bytes(model, optim)
+    assert need == 40000 + 80 + 40000 + 4
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    sharded.check_shared_memory(need, 0, str(tmp_path))  # fits
+    with pytest.raises(ConfigError, match=r"checkpoint.async_writer=process: rank 1's share .* does not fit in "
+                                          r".*checkpoint.async_writer=thread"):
+        sharded.check_shared_memory(free + 2**30, 1, str(tmp_path))
