@@ -266,9 +266,6 @@ def write(out: Path, rows: list[dict], runner, machine: dict, mode: str, results
             f"median {parse.median(loads) or 0:.1f}, max {max(loads, default=0):.1f} |",
             f"| date, duration | {machine['date']}, {machine.get('bench_minutes', '?')} min, "
             f"{runner.rounds} interleaved round(s) |"]
-    if machine.get("s3_nice"):
-        head.append(f"| S3 server | moto_server at nice {machine['s3_nice']} (`--s3-nice`: a remote S3's CPU "
-                    "modelled as the cores' idle time) |")
     head += [f"| merged | {m} |" for m in machine.get("merged", [])]
     head += ["", "## Figures", ""]
     body = head + table_lines(rows) + ["", dataparallel_note(machine["gpus"])]

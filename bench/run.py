@@ -256,17 +256,10 @@ def hung_tracking_server() -> str:
 
 # ---------------------------------------------------------------- running
 
-def renice(pid: int, nice: int) -> None:
-    """Every thread of ``pid`` at ``nice`` (Linux keeps a nice value per thread; later threads inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-
-
 class Runner:
     def __init__(self, plan: Plan, cases: list[str], rounds: int, workdir: Path, log=print, budget_s: float = 0,
-                 jobs: int = 1, s3_nice: int = 0):
+                 jobs: int = 1):
         self.plan, self.cases, self.rounds, self.log, self.budget_s = plan, cases, rounds, log, budget_s
-        self.s3_nice = s3_nice  # moto_server's nice value (every thread): 0, or up to 19 to model a remote S3
         self.jobs = jobs  # > 1 only for the smoke: concurrent runs would spoil the figures
         self.ctx = measure.Context(workdir=workdir, log=log, timeout=300 if plan.smoke else 900)
         self.results: dict[tuple[Spec, int], dict] = {}
@@ -286,8 +279,6 @@ class Runner:
                 from tests.integration.s3server import start_s3_server
 
                 self.ctx.s3 = start_s3_server(self.ctx.workdir / "moto.log")
-                if self.s3_nice:
-                    renice(self.ctx.s3.proc.pid, self.s3_nice)
                 self._write_shards()
             if self.plan.smoke and self.needs(lambda s: s.launch == "warm"):
                 self._cluster_up()
@@ -814,9 +805,6 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; smoke 1)")
     p.add_argument("--out", default=str(BENCH), help="folder for RESULTS.md, results.png (and results.json, "
                    "except in bench/ itself: build/bench/results.json)")
-    p.add_argument("--s3-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
-                   help="moto_server's nice value: 19 models a remote S3 (its CPU then comes from the cores' "
-                        "idle time, not from training); default 0, a local S3 server competing for the cores")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs of every run)")
     p.add_argument("--report-only", metavar="RESULTS_JSON", help="rewrite the report from a saved results.json")
     p.add_argument("--merge", metavar="RESULTS_JSON",
@@ -857,8 +845,7 @@ def main(argv=None) -> int:
         machine = saved["machine"]
     else:
         with Runner(plan, cases, rounds, workdir, log=lambda m: print(m, flush=True), budget_s=args.budget,
-                    jobs=(args.jobs or 3) if args.smoke else 1, s3_nice=args.s3_nice) as runner:
-            machine["s3_nice"] = args.s3_nice
+                    jobs=(args.jobs or 3) if args.smoke else 1) as runner:
             runner.run_all()
             if {"r", "j"} & set(cases):  # their own time inside the step, resolving what the runs cannot
                 from bench import addon_cost
