@@ -458,6 +458,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._join_share()  # back-pressure: this rank's previous share is uploaded
         rel = f"{self.run}/{name}"
+        model_sd, optim_sd = sharded.own_share(*train_state(model, optimizer), rank, world_size)
+        if self.staged and self.writer == "process" and self._stager is None:  # before anything is made
+            sharded.check_shared_memory(sharded.share_bytes(model_sd, optim_sd), rank)
+            self._stager = sharded.shared_memory_stager()
         local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
         (local / "rng").mkdir()
         torch.save(rng, local / "rng" / f"rank_{rank}.pt")
@@ -466,13 +470,9 @@ class Checkpointer:
                 (local / fname).write_text(json.dumps(obj, indent=1, sort_keys=True))
             else:
                 torch.save(obj, local / fname)
-        model_sd, optim_sd = sharded.own_share(*train_state(model, optimizer), rank, world_size)
         if self.staged:
             group = self._share_group()
             if self.writer == "process":
-                if self._stager is None:
-                    sharded.check_shared_memory(sharded.share_bytes(model_sd, optim_sd), rank)
-                    self._stager = sharded.shared_memory_stager()
                 staged = self._stager.stage({"model": model_sd, "optim": optim_sd})
                 write = lambda: sharded.write_state_in_process(local, staged, group)  # noqa: E731
             else:
