@@ -30,8 +30,10 @@ FULL = StateDictOptions(full_state_dict=True)
 
 
 def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
-    """The sub-modules FSDP shards as units: those of the classes named in ``train.fsdp_units``, else each
-    block of the model's ModuleLists (a transformer's layers), else each top-level child with parameters."""
+    """The sub-modules FSDP shards as units, innermost first (``fully_shard`` must reach a unit before any
+    unit around it): those of the classes named in ``train.fsdp_units``, else each block of the model's
+    outermost ModuleLists and ModuleDicts (a transformer's layers; a ModuleList inside a block, such as a
+    mixture's experts, stays in its block's unit), else each top-level child with parameters."""
     wanted = {n.strip() for n in names.split(",") if n.strip()}
     if wanted:
         units = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
@@ -39,11 +41,37 @@ def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ConfigError(f"train.fsdp_units={names}: no module of the model is of these classes; "
                               f"its classes: {', '.join(classes[:12])}")
-        return units
-    blocks = [b for m in module.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+        return units[::-1]  # modules() lists a module before the modules inside it
+    blocks = _outermost_blocks(module)
     if blocks:
-        return [b for b in blocks if any(True for _ in b.parameters())]
-    return [c for c in module.children() if any(True for _ in c.parameters())]
+        return blocks
+    return [c for c in module.children() if _has_parameters(c)]
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _outermost_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    blocks = []
+    for child in module.children():
+        blocks += _blocks_in(child) if isinstance(child, _CONTAINERS) else _outermost_blocks(child)
+    return blocks
+
+
+def _blocks_in(container: torch.nn.Module) -> list[torch.nn.Module]:
+    """A container's items with parameters; an item that is itself a container (a list of lists) is
+    opened, since a container has no forward for FSDP to gather around."""
+    blocks = []
+    for item in container.children():
+        if isinstance(item, _CONTAINERS):
+            blocks += _blocks_in(item)
+        elif _has_parameters(item):
+            blocks.append(item)
+    return blocks
 
 
 def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size: int, *, units: str = "",

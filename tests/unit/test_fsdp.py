@@ -383,3 +383,64 @@ def test_a_share_that_does_not_fit_in_shared_memory_is_refused_before_any_buffer
     with pytest.raises(ConfigError, match=r"checkpoint.async_writer=process: rank 1's share .* does not fit in "
                                           r".*checkpoint.async_writer=thread"):
         sharded.check_shared_memory(free + 2**30, 1, str(tmp_path))
+
+
+class _Experts(torch.nn.Module):
+    """A block holding a ModuleList of its own (a mixture's experts): a ModuleList inside a ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x):
+        return self.norm(x + sum(e(x) for e in self.experts))
+
+
+class _MoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 6)
+        self.layers = torch.nn.ModuleList([_Experts() for _ in range(2)])
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _nested_worker(rank: int, world: int, port: int, out: str) -> None:
+    from ray_app.strategy import fully_shard_model
+
+    _init(rank, world, port)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    grads = {}
+    for units in ("", "_Experts,Linear"):  # the default; a block's class and the class of modules inside it
+        torch.manual_seed(3)
+        model = fully_shard_model(_MoE(), torch.device("cpu"), world, units=units)
+        model(x).square().sum().backward()
+        grads[units] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out)
+    _finish()
+
+
+def test_a_model_with_modulelists_inside_its_blocks_shards_and_trains(port_picker, tmp_path):
+    """Units are sharded innermost first: a block holding a ModuleList (experts) shards under the default units
+    (the outermost ModuleList's blocks) and with a block's class and its children's classes named, and the
+    gradients equal the unsharded model's (sharding a block before the modules inside it fails in FSDP)."""
+    from ray_app.strategy import shard_units
+
+    assert [type(u).__name__ for u in shard_units(_MoE(), "")] == ["_Experts", "_Experts"]
+    out = str(tmp_path / "nested.pt")
+    _spawn(_nested_worker, 2, port_picker(), out)
+    got = torch.load(out, weights_only=True)
+    torch.manual_seed(3)
+    model = _MoE()
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(5))).square().sum().backward()
+    for units in ("", "_Experts,Linear"):
+        assert set(got[units]) == {n for n, _ in model.named_parameters()}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[units][name], p.grad, rtol=1e-5, atol=1e-6)
