@@ -213,7 +213,8 @@ def _cpu_table(runs: list[dict]) -> list[str]:
 def detail_lines(runner) -> list[str]:
     out = []
     if "d" in runner.cases:
-        out += ["", "## (d) Checkpoints to moto_server (an S3 API server on 127.0.0.1)", ""]
+        out += ["", "## (d) Checkpoints to moto_server (an S3 API server on 127.0.0.1; \"folder\": to a local folder)",
+                ""]
         for name in runner.plan.specs["d"]:
             for r in runner.runs("d", name):
                 size = f"{r['ckpt_bytes'] / 1e6:.0f} MB per checkpoint, " if r.get("ckpt_bytes") else ""

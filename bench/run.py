@@ -149,7 +149,10 @@ class Plan:
                   "twin default": twin((), cpu_sample=True),
                   # plain Ray Train (bench/ray_alone.py: a TorchTrainer with Ray's defaults, an empty train function)
                   "ray alone": Spec("ray", ())},
-            "d": {name: kit(o, storage="s3", scrape_every=scrape, cpu_sample=True) for name, o in ckpt.items()},
+            "d": {**{name: kit(o, storage="s3", scrape_every=scrape, cpu_sample=True) for name, o in ckpt.items()},
+                  # the same pair to a local folder: the cost without an S3 server on the two training cores
+                  **{f"{name} folder": kit(ckpt[name], scrape_every=scrape, cpu_sample=True)
+                     for name in ("final", "async")}},
             "e": {"kit": kit(w["recovery"], kill=True, scrape_every=scrape), "twin": twin(w["recovery"], kill=True)},
             "f": {"kit 2": kit(w["compute"]), "twin 2": twin(w["compute"]),
                   "kit 1": kit(one_worker, workers=1), "twin 1": twin(one_worker, workers=1)},
@@ -568,6 +571,12 @@ def rows_d(r: Runner) -> list[dict]:
         what = "a checkpoint at the end only" if base == "final" else "no checkpoint"
         out.append(_row("d", f"first step -> exit, checkpoint every epoch ({mode}) vs {what} (s; ratio = cost)",
                         e2e[mode], e2e[base], cost, "<= 0.03", cost is not None and cost <= 0.03))
+    if "async folder" in r.plan.specs["d"]:
+        fin, asy = (parse.median(_e2e(x) for x in r.runs("d", k)) for k in ("final folder", "async folder"))
+        q = parse.ratio(asy, fin)
+        out.append(_row("d", "first step -> exit, checkpoint every epoch (async) vs at the end only, both to a local "
+                             "folder (s; ratio = cost)", asy, fin, q - 1 if q is not None else None, "reported",
+                        q is not None))
     if base == "final":
         none = parse.median(_e2e(x) for x in r.runs("d", "none"))
         q = parse.ratio(e2e["final"], none)

@@ -74,7 +74,9 @@ def restore_rng_state(state: dict) -> None:
 
 @dataclass
 class CheckpointPayload:
-    """Everything needed to continue training exactly."""
+    """Everything needed to continue training exactly, in the single-file format (rank 0 wrote it all). The kit
+    now writes sharded checkpoints (``Checkpointer.save_shards``); this format's writer stays as its
+    reference, for checkpoints of it that still load and for the tests that make them."""
 
     model: dict
     optimizer: dict
@@ -122,47 +124,6 @@ def _cpu_copy(obj):
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
-
-
-class Snapshot:
-    """A consistent CPU copy of a payload, taken without stopping training for the big part.
-
-    What the next forward pass may change (module buffers such as BatchNorm statistics) and
-    the small parts are copied at once. Parameters and optimizer state change only in the next
-    optimizer step, so they are copied on a thread while the next forward/backward runs; the
-    loop calls ``wait()`` before that step.
-    """
-
-    def __init__(self, payload: CheckpointPayload, param_keys: frozenset[str]):
-        self._model = {k: v if k in param_keys else _cpu_copy(v) for k, v in payload.model.items()}
-        self._param_keys = param_keys
-        self._optimizer = payload.optimizer
-        self._small = _cpu_copy({"scheduler": payload.scheduler, "rng": payload.rng_per_rank, "state": payload.state,
-                                 "config": payload.config, "metrics": payload.metrics})
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._copy_rest, name="ray-app-ckpt-snapshot", daemon=True)
-        self._thread.start()
-
-    def _copy_rest(self) -> None:
-        try:
-            self._model = {k: _cpu_copy(v) if k in self._param_keys else v for k, v in self._model.items()}
-            self._optimizer = _cpu_copy(self._optimizer)
-        except BaseException as e:  # surfaced by wait(), on the training thread
-            self._error = e
-
-    def wait(self) -> float:
-        """Block until the copy is complete; returns the seconds waited."""
-        t0 = time.perf_counter()
-        self._thread.join()
-        if self._error is not None:
-            raise CheckpointError(f"copying the checkpoint state failed: {self._error}") from self._error
-        return time.perf_counter() - t0
-
-    def payload(self) -> CheckpointPayload:
-        self.wait()
-        s = self._small
-        return CheckpointPayload(model=self._model, optimizer=self._optimizer, scheduler=s["scheduler"],
-                                 rng_per_rank=s["rng"], state=s["state"], config=s["config"], metrics=s["metrics"])
 
 
 def upload_checkpoint_dir(local: Path, storage, rel: str, before_commit=None) -> None:
@@ -314,16 +275,16 @@ class Checkpointer:
 
     It owns the cadence (``every_epochs``, ``every_steps``, the final one) and the
     account of time training was blocked (``blocked_seconds``, ``written``): the loop
-    asks ``due`` at every step boundary (``final_due`` at the end) and calls ``save`` on every rank, with
-    the name the writer rank took from ``new_name`` (every rank reports that one name).
+    asks ``due`` at every step boundary (``final_due`` at the end) and calls ``save_shards`` on every rank,
+    with the name rank 0 took from ``new_name`` (every rank reports that one name).
     ``report(metrics, local_dir, dir_name, upload_fn)`` is supplied by the runtime
     (Ray Train's ``ray.train.report`` in production).
 
-    With ``staged=True`` (``checkpoint.upload: async``) the writer rank only takes a
-    :class:`Snapshot`; writing the files, hashing them and uploading happen in
-    ``upload_fn``, which Ray Train runs on its background upload thread. One
-    checkpoint is in flight at a time: a new one waits for the previous upload, so
-    at most one extra copy of the state is held in memory.
+    With ``staged=True`` (``checkpoint.upload: async``) a rank only copies its share (``writer``: into
+    its own memory for a thread, into shared memory for DCP's checkpoint process); writing, hashing and
+    uploading happen in the background, and rank 0 commits in ``upload_fn``, which Ray Train runs on its
+    background upload thread. One checkpoint is in flight at a time: a new one waits for the previous
+    share and commit, so at most one extra copy of a rank's share is held in memory.
     """
 
     def __init__(self, storage, run: str, report, *, every_epochs: int = 1, every_steps: int = 0,
@@ -335,8 +296,6 @@ class Checkpointer:
         self.last_uri: str | None = None
         self.warm_start = False  # the restored checkpoint came from run.resume_from, not from this run
         self.blocked_seconds, self.written = 0.0, 0
-        self._snapshot: Snapshot | None = None
-        self._pending_blocked: float | None = None
         self._uploaded: threading.Event | None = None
         self.on_commit = None  # called with (uri, global_step) once a checkpoint is committed (rank 0's trackers)
         self.before_commit = None  # called before each manifest is written (the lease's fence: one writer per run)
@@ -403,50 +362,11 @@ class Checkpointer:
     @staticmethod
     def new_name(global_step: int) -> str:
         """A new checkpoint's directory name (unique: time and random bytes). Each rank gets a different
-        one, so the loop takes the writer's and passes it to ``save`` on every rank."""
+        one, so the loop takes rank 0's and passes it to ``save_shards`` on every rank."""
         return checkpoint_dir_name(global_step)
 
-    def save(self, payload: CheckpointPayload | None, metrics: dict, is_writer: bool,
-             param_keys: frozenset[str] = frozenset(), name: str | None = None) -> float | None:
-        """Write or stage (on the writer rank) and report a checkpoint.
-
-        ``name``: the writer's :meth:`new_name`, the same on every rank (None: a new one, for a single
-        process). Returns the seconds training was blocked, or None while a staged snapshot is still copying
-        (``param_keys``: the state-dict keys only an optimizer step changes, which staged mode copies in
-        the background; call :meth:`settle` before the next optimizer step, it returns the total then).
-        """
-        t0 = time.perf_counter()
-        name = name or self.new_name(metrics["global_step"])
-        local, snapshot, uploaded = None, None, None
-        if is_writer:
-            if self._uploaded is not None:
-                self._uploaded.wait()  # back-pressure: the previous upload is still running
-            local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
-            if self.staged:
-                snapshot = self._snapshot = Snapshot(payload, param_keys)
-                uploaded = self._uploaded = threading.Event()
-            else:
-                write_checkpoint_dir(local, payload)
-        self.last_uri = self.storage.uri(self.run, name)  # every rank: the name is the writer's
-        metrics = dict(metrics, checkpoint=self.last_uri)
-
-        def upload(local_dir: Path, dir_name: str) -> None:
-            try:
-                if snapshot is not None:
-                    write_checkpoint_dir(local_dir, snapshot.payload())
-                upload_checkpoint_dir(local_dir, self.storage, f"{self.run}/{dir_name}", self.before_commit)
-                if self.on_commit is not None:
-                    self.on_commit(self.storage.uri(self.run, dir_name), metrics["global_step"])
-            finally:
-                if uploaded is not None:
-                    uploaded.set()
-
-        self._report(metrics, local, name, upload)
-        self._pending_blocked = time.perf_counter() - t0
-        return None if self.staged else self.settle()
-
     def save_shards(self, model: torch.nn.Module, optimizer, shared: dict | None, rng: dict, metrics: dict, *,
-                    rank: int, world_size: int, name: str) -> float | None:
+                    rank: int, world_size: int, name: str) -> float:
         """Every rank, at the same point: write this rank's share of a sharded checkpoint (``ray_app.sharded``)
         and report it; rank 0 (``shared``: its files by name, ``scheduler.pt``, ``state.json``, ...) commits it
         once every rank's share is uploaded. Staged (``checkpoint.upload: async``): the state is copied (the
@@ -516,8 +436,10 @@ class Checkpointer:
                     uploaded.set()
 
             self._report(metrics, Path(tempfile.mkdtemp(prefix="ray-app-commit-")), name, commit)
-        self._pending_blocked = time.perf_counter() - t0
-        return self.settle()
+        blocked = time.perf_counter() - t0
+        self.blocked_seconds += blocked
+        self.written += 1
+        return blocked
 
     def _share_group(self):
         """A gloo group of the staged shares' own (made once, by every rank at the same checkpoint): their DCP
@@ -541,19 +463,6 @@ class Checkpointer:
         self._join_share()
         if self._uploaded is not None:
             self._uploaded.wait()
-
-    def settle(self) -> float | None:
-        """Wait until a staged snapshot no longer needs the live state; account the checkpoint.
-
-        Returns the seconds the last checkpoint blocked training in all, or None if none is pending."""
-        if self._pending_blocked is None:
-            return None
-        snapshot, self._snapshot = self._snapshot, None
-        blocked = self._pending_blocked + (snapshot.wait() if snapshot is not None else 0.0)
-        self._pending_blocked = None
-        self.blocked_seconds += blocked
-        self.written += 1
-        return blocked
 
 
 def cleanup_local(path: Path | None) -> None:

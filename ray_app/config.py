@@ -108,8 +108,8 @@ class TrainSection:
                        "gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, gradients and optimizer "
                        "state sharded over the ranks, for models larger than one device).", choices=["ddp", "fsdp"])
     fsdp_units: str = _f("", "fsdp: the module classes sharded as units, comma-separated class names (e.g. Block); "
-                         "empty: each block of the model's outermost ModuleLists and ModuleDicts, else each top-level "
-                         "child with parameters.")
+                         "empty: each block of the model's outermost ModuleLists and one-class ModuleDicts, else "
+                         "each top-level child with parameters.")
     reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (less memory, one more "
                                      "all-gather in backward).")
     max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)

@@ -114,7 +114,6 @@ class Trainer:
             self.last_eval = self.evaluate()
         summary = self._final_metrics()
         self._final_checkpoint(summary)
-        self._account(self.ckpt.settle())
         self.ckpt.wait_committed()  # a staged share still uploading: the worker stays until it is done
         summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
                        checkpoints_written=self.ckpt.written)
@@ -195,7 +194,6 @@ class Trainer:
         """Every rank: checkpoint here (unless this step has one), wait until it is committed, raise."""
         if self._checkpointed_at != self.pos.global_step:
             self.checkpoint()
-        self._account(self.ckpt.settle())
         self.ckpt.wait_committed()
         dist.barrier()  # no rank leaves before the writer's commit: the first to leave ends the group
         self.preemption.close()
@@ -219,7 +217,6 @@ class Trainer:
         return loss, n
 
     def _optimizer_step(self) -> None:
-        self._account(self.ckpt.settle())  # a staged snapshot is still copying what step() changes
         if self.nonfinite.gradients_finite(self.model):  # the same answer on every rank (DDP's all-reduce)
             self.optimizer.step()
         else:  # stop: raises; skip: this step is dropped on every rank

@@ -32,8 +32,11 @@ FULL = StateDictOptions(full_state_dict=True)
 def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
     """The sub-modules FSDP shards as units, innermost first (``fully_shard`` must reach a unit before any
     unit around it): those of the classes named in ``train.fsdp_units``, else each block of the model's
-    outermost ModuleLists and ModuleDicts (a transformer's layers; a ModuleList inside a block, such as a
-    mixture's experts, stays in its block's unit), else each top-level child with parameters."""
+    outermost ModuleLists and one-class ModuleDicts (a transformer's layers; a ModuleList inside a block, such
+    as a mixture's experts, stays in its block's unit), else each top-level child with parameters.
+
+    A parameter lives in one unit: a default unit whose parameter is tied to one outside it (an embedding
+    and its head) is left in the unit around both; a named one is a ConfigError naming the two."""
     wanted = {n.strip() for n in names.split(",") if n.strip()}
     if wanted:
         units = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
@@ -41,11 +44,29 @@ def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ConfigError(f"train.fsdp_units={names}: no module of the model is of these classes; "
                               f"its classes: {', '.join(classes[:12])}")
+        for unit in units:
+            tie = _tied_outside(module, unit)
+            if tie:
+                raise ConfigError(f"train.fsdp_units={names}: {tie[0]} is tied to {tie[1]}, outside its unit "
+                                  f"({type(unit).__name__}); a parameter lives in one unit: name classes that hold "
+                                  f"both, or leave {type(unit).__name__} out (it then stays in the unit around it)")
         return units[::-1]  # modules() lists a module before the modules inside it
-    blocks = _outermost_blocks(module)
-    if blocks:
-        return blocks
-    return [c for c in module.children() if _has_parameters(c)]
+    units = _outermost_blocks(module) or [c for c in module.children() if _has_parameters(c)]
+    return [u for u in units if not _tied_outside(module, u)]
+
+
+def _tied_outside(module: torch.nn.Module, unit: torch.nn.Module) -> tuple[str, str] | None:
+    """(a parameter's name in ``unit``, the name of the same tensor outside ``unit``), or None."""
+    prefix = next(name for name, m in module.named_modules(remove_duplicate=False) if m is unit) + "."
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for p in unit.parameters():
+        inside = [n for n in names[id(p)] if n.startswith(prefix)]
+        outside = [n for n in names[id(p)] if not n.startswith(prefix)]
+        if outside:
+            return inside[0], outside[0]
+    return None
 
 
 def _has_parameters(module: torch.nn.Module) -> bool:
@@ -58,8 +79,17 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 def _outermost_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     blocks = []
     for child in module.children():
-        blocks += _blocks_in(child) if isinstance(child, _CONTAINERS) else _outermost_blocks(child)
+        blocks += _blocks_in(child) if _is_stack(child) else _outermost_blocks(child)
     return blocks
+
+
+def _is_stack(module: torch.nn.Module) -> bool:
+    """A ModuleList, or a ModuleDict of one class of blocks (torchtitan's ``layers``). A ModuleDict of several
+    classes is a namespace (nanoGPT's ``transformer``: embeddings, a ModuleList of blocks, a norm), searched
+    further: its embedding may be tied to a head outside it, and must stay in the unit around both."""
+    if isinstance(module, torch.nn.ModuleDict):
+        return len({type(b) for b in module.values() if _has_parameters(b)}) == 1
+    return isinstance(module, torch.nn.ModuleList)
 
 
 def _blocks_in(container: torch.nn.Module) -> list[torch.nn.Module]:

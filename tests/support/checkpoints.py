@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -10,22 +11,41 @@ from ray_app.catalog import checkpoint_dir_name
 from ray_app.checkpoint import CheckpointPayload, capture_rng_state, write_checkpoint_dir
 
 
-def tiny_payload(step: int, *, seed: int = 0, ranks: int = 1, epoch: int = 1, batches_done: int = 0,
-                 config: dict | None = None, metrics: dict | None = None) -> CheckpointPayload:
-    """A ``Linear(5, 4)`` after one SGD step with momentum (so the optimizer state is not empty), its
-    scheduler, and one RNG state per rank, at ``global_step`` ``step``. The same ``seed`` gives the same
-    weights. ``metrics`` defaults to ``{"global_step": step}``, ``config`` to ``{}``."""
+def _tiny_trained(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Linear(5, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(3, 5)).sum().backward()
     opt.step()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
+def tiny_payload(step: int, *, seed: int = 0, ranks: int = 1, epoch: int = 1, batches_done: int = 0,
+                 config: dict | None = None, metrics: dict | None = None) -> CheckpointPayload:
+    """A ``Linear(5, 4)`` after one SGD step with momentum (so the optimizer state is not empty), its
+    scheduler, and one RNG state per rank, at ``global_step`` ``step``. The same ``seed`` gives the same
+    weights. ``metrics`` defaults to ``{"global_step": step}``, ``config`` to ``{}``."""
+    model, opt, sched = _tiny_trained(seed)
     return CheckpointPayload(model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                              rng_per_rank=[capture_rng_state() for _ in range(ranks)],
                              state={"epoch": epoch, "batches_done": batches_done, "global_step": step,
                                     "world_size": ranks},
                              config=config or {}, metrics=metrics or {"global_step": step})
+
+
+def save_tiny_shards(ckpt, step: int, *, seed: int = 0) -> tuple[str, float]:
+    """``tiny_payload``'s model and optimizer saved as the kit saves them (``Checkpointer.save_shards``, every
+    rank's share; here one process, world size 1, no process group). Returns the checkpoint's name and the
+    seconds ``save_shards`` said training was blocked."""
+    model, opt, sched = _tiny_trained(seed)
+    name = ckpt.new_name(step)
+    shared = {"scheduler.pt": sched.state_dict(), "config.json": {}, "metrics.json": {"global_step": step},
+              "state.json": {"epoch": 1, "batches_done": 0, "global_step": step, "world_size": 1}}
+    with warnings.catch_warnings():  # DCP: "torch.distributed is ... uninitialized, ... a single process"
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        blocked = ckpt.save_shards(model, opt, shared, capture_rng_state(), {"global_step": step},
+                                   rank=0, world_size=1, name=name)
+    return name, blocked
 
 
 def write_checkpoint(run_dir: Path, step: int, **payload) -> Path:

@@ -30,6 +30,7 @@ from ray_app.checkpoint import (
 )
 from ray_app.errors import CheckpointError, StorageError
 from ray_app.storage import LocalStorage
+from tests.support.checkpoints import save_tiny_shards
 from tests.support.checkpoints import tiny_payload as checkpoint_payload
 
 RUN = "run-a"
@@ -222,27 +223,6 @@ def test_resolve_run_and_checkpoint_uris(storage):
     assert list_checkpoints(storage, RUN) == [a.rsplit("/", 1)[-1], b.rsplit("/", 1)[-1]]
 
 
-def test_checkpointer_save_reports_on_every_rank_and_writes_only_on_the_writer(storage):
-    calls = []
-
-    def report(metrics, local_dir, dir_name, upload):
-        calls.append((metrics, local_dir, dir_name))
-        if local_dir is not None:
-            upload(local_dir, dir_name)
-
-    writer = Checkpointer(storage, RUN, report)
-    other = Checkpointer(storage, RUN, report)
-    name = writer.new_name(4)  # the writer's, shared with every rank (the loop gathers it with the RNG states)
-    writer.save(tiny_payload(4), {"global_step": 4}, is_writer=True, name=name)
-    other.save(None, {"global_step": 4}, is_writer=False, name=name)
-    assert calls[0][1] is not None and calls[1][1] is None
-    # every rank reports the one directory that exists: the same name, the same checkpoint URI
-    assert calls[0][2] == calls[1][2] == name
-    assert calls[0][0]["checkpoint"] == calls[1][0]["checkpoint"] == storage.uri(RUN, name)
-    assert newest_verified(storage, RUN)[0] == name
-    assert writer.last_uri == other.last_uri == storage.uri(RUN, name)
-
-
 def _draws():
     return (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)], np.random.randn(1))
 
@@ -367,41 +347,20 @@ def _reporter(calls, defer=None):
     return report
 
 
-def test_sync_save_returns_and_accounts_the_blocked_time(storage):
+def test_save_shards_reports_the_name_it_was_given_and_accounts_the_blocked_time(storage):
+    """Every rank reports the one name rank 0 chose (the checkpoint's URI in its metrics), rank 0 commits it in
+    the upload function the runtime runs, and the seconds training was blocked are accounted per checkpoint."""
     calls = []
     cp = Checkpointer(storage, RUN, _reporter(calls))
     assert (cp.blocked_seconds, cp.written) == (0.0, 0)
-    first = cp.save(tiny_payload(4), {"global_step": 4}, is_writer=True)
-    assert isinstance(first, float) and first > 0
-    assert cp.settle() is None  # nothing pending: a sync save settles itself
-    second = cp.save(tiny_payload(8), {"global_step": 8}, is_writer=True)
+    first_name, first = save_tiny_shards(cp, 4)
+    second_name, second = save_tiny_shards(cp, 8, seed=1)
+    assert first > 0 and second > 0
     assert cp.written == 2 and cp.blocked_seconds == pytest.approx(first + second)
-    other = Checkpointer(storage, RUN, _reporter(calls))
-    assert isinstance(other.save(None, {"global_step": 8}, is_writer=False), float) and other.written == 1
-    assert newest_verified(storage, RUN)[0] == calls[1][2]
-
-
-def test_staged_save_returns_none_until_settled_then_the_total(storage):
-    calls, uploads = [], []
-    cp = Checkpointer(storage, RUN, _reporter(calls, defer=uploads), staged=True)
-    payload = tiny_payload(6)
-    keys = frozenset(payload.model)
-    assert cp.save(payload, {"global_step": 6}, is_writer=True, param_keys=keys) is None
-    assert cp.written == 0  # not accounted while the snapshot may still be copying
-    blocked = cp.settle()
-    assert isinstance(blocked, float) and blocked > 0
-    assert cp.written == 1 and cp.blocked_seconds == pytest.approx(blocked)
-    assert cp.settle() is None
-    # the snapshot is what is written, whatever the live state does after settle()
-    for v in payload.model.values():
-        v.zero_()
-    uploads.pop()()
-    loaded = load_verified(storage, f"{RUN}/{calls[0][2]}", rank=0)
-    assert any(torch.count_nonzero(v) for v in loaded.model.values())
-    assert cp.last_uri == storage.uri(RUN, calls[0][2])
-    other = Checkpointer(storage, RUN, _reporter(calls), staged=True)
-    assert other.save(None, {"global_step": 6}, is_writer=False) is None
-    assert isinstance(other.settle(), float) and other.written == 1
+    assert [c[2] for c in calls] == [first_name, second_name]
+    assert calls[1][0]["checkpoint"] == cp.last_uri == storage.uri(RUN, second_name)
+    assert newest_verified(storage, RUN)[0] == second_name
+    assert load_verified(storage, f"{RUN}/{second_name}", rank=0).state["global_step"] == 8
 
 
 def test_warm_start_only_when_the_checkpoint_comes_from_resume_from(storage):

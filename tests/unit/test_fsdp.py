@@ -428,12 +428,37 @@ def _nested_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_a_model_with_modulelists_inside_its_blocks_shards_and_trains(port_picker, tmp_path):
-    """Units are sharded innermost first: a block holding a ModuleList (experts) shards under the default units
+    """The default units are a model's stacks of blocks, never splitting tied weights. Units are sharded
+    innermost first: a block holding a ModuleList (experts) shards under the default units
     (the outermost ModuleList's blocks) and with a block's class and its children's classes named, and the
     gradients equal the unsharded model's (sharding a block before the modules inside it fails in FSDP)."""
+    from ray_app.errors import ConfigError
     from ray_app.strategy import shard_units
 
     assert [type(u).__name__ for u in shard_units(_MoE(), "")] == ["_Experts", "_Experts"]
+    # nanoGPT's shape: a ModuleDict namespace holding the embedding (tied to the head) and a ModuleList of
+    # blocks: the blocks are the units, the embedding stays in the root's with the head; torchtitan's shape:
+    # a ModuleDict of blocks
+    wte = torch.nn.Embedding(5, 6)
+    nano = torch.nn.Module()
+    nano.transformer = torch.nn.ModuleDict({"wte": wte, "h": torch.nn.ModuleList([_Experts(), _Experts()]),
+                                            "ln_f": torch.nn.LayerNorm(6)})
+    nano.lm_head = torch.nn.Linear(6, 5, bias=False)
+    nano.lm_head.weight = wte.weight
+    assert shard_units(nano, "") == list(nano.transformer["h"])
+    titan = torch.nn.Module()
+    titan.tok = torch.nn.Embedding(5, 6)
+    titan.layers = torch.nn.ModuleDict({str(i): _Experts() for i in range(3)})
+    assert shard_units(titan, "") == list(titan.layers.values())
+    # a parameter lives in one unit: a default unit tied to a module outside it stays in the root's unit,
+    # a named one is a one-line ConfigError naming both
+    tied = torch.nn.Module()
+    tied.wte, tied.mid, tied.head = torch.nn.Embedding(5, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 5, bias=False)
+    tied.head.weight = tied.wte.weight
+    assert shard_units(tied, "") == [tied.mid]
+    with pytest.raises(ConfigError, match=r"train.fsdp_units=Embedding: wte.weight is tied to head.weight, outside "
+                                          r"its unit \(Embedding\)"):
+        shard_units(tied, "Embedding")
     out = str(tmp_path / "nested.pt")
     _spawn(_nested_worker, 2, port_picker(), out)
     got = torch.load(out, weights_only=True)

@@ -184,7 +184,7 @@ def test_workers_commit_no_checkpoint_once_another_driver_holds_the_run(tmp_path
     from ray_app.catalog import list_checkpoints, newest_verified
     from ray_app.checkpoint import Checkpointer
     from ray_app.lease import fence
-    from tests.support.checkpoints import tiny_payload
+    from tests.support.checkpoints import save_tiny_shards
 
     storage = LocalStorage(str(tmp_path))
     first = RunLease(lease_store(storage, "r"), storage.uri("r"), stale_s=30)
@@ -195,14 +195,14 @@ def test_workers_commit_no_checkpoint_once_another_driver_holds_the_run(tmp_path
 
     ckpt = Checkpointer(storage, "r", report)
     ckpt.before_commit = fence(storage, "r", first.token)
-    ckpt.save(tiny_payload(1), {"global_step": 1}, is_writer=True)
+    save_tiny_shards(ckpt, 1)
     assert newest_verified(storage, "r", warn=lambda m: None)[0] is not None  # its own driver: committed
 
     (tmp_path / "r" / LEASE_FILE).unlink()  # the first driver is gone; a second one takes the run
     second = RunLease(lease_store(storage, "r"), storage.uri("r"), stale_s=30)
     second.acquire()
     with pytest.raises(RunHeld, match="no longer held by this worker group's driver"):
-        ckpt.save(tiny_payload(2), {"global_step": 2}, is_writer=True)
+        save_tiny_shards(ckpt, 2)
     names = list_checkpoints(storage, "r")
     assert len(names) == 2 and not (tmp_path / "r" / names[-1] / "manifest.json").exists()  # never committed
     second.release()
