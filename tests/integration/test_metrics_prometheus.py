@@ -257,7 +257,8 @@ def test_a_slowed_rank_is_named_with_its_host_within_three_intervals_and_prometh
     fast_wait = prom.scalar(f'quantile_over_time(0.5, ray_app_rank_data_wait_seconds{{rank="0", host="{host}"}}{window})')
     print(f"Prometheus: rank 1 {slow:.3f} s own per step (data wait {slow_wait:.3f} s), "
           f"rank 0's median {fast:.3f} s (data wait {fast_wait:.3f} s)")
-    assert slow > 0.05 and slow > 3 * fast and slow_wait > 0.05 > fast_wait
+    # the injected data wait (0.1 s a batch) on top of whatever the load makes a step cost on both ranks
+    assert slow > 0.05 and slow > fast + 0.05 and slow_wait > 0.05 > fast_wait
 
 
 def test_exactly_one_process_serves_metrics(stack):
