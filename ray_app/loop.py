@@ -243,8 +243,10 @@ class Trainer:
         self.pos.batches_done = self.pos.samples_done = 0
         if self.ckpt.due(self.pos, epoch_end=True):
             self.checkpoint()
-        else:
+        elif self.pos.epoch < self.cfg.train.epochs and not self._done():
             self.rt.report(self._metrics_dict())  # one report per epoch on every rank (Ray's barrier)
+        # the run's last epoch reports with the run's end (_final_checkpoint): a report right behind another
+        # waits until Ray Train's controller has taken the first (ray_app.driver.BusyPolling)
 
     def evaluate(self) -> dict:
         """Practice 5 (``ray_app.evaluation``): every metric of the task, exact over the distinct eval samples."""

@@ -8,7 +8,7 @@ upgrade of Ray shows here, and only here, what broke. ``tests/unit/test_import_g
 private Ray import anywhere else in ``ray_app``.
 
 Where the code runs: the driver (``lean_local_ray``, ``WorkerLogStream``, ``trainer_class``,
-``kv_*``), Ray Train's controller actor (``failure_policy_base``, ``FixedPolicyWithoutAutoscaler``,
+``kv_*``), Ray Train's controller actor (``polling_controller``, ``failure_policy_base``, ``FixedPolicyWithoutAutoscaler``,
 ``ElasticPolicyHook``, ``address_and_port``, ``TORCH_FRAMEWORK``) and the workers
 (``kv_*``, ``draining_nodes``, ``worker_callback_base``, ``quiet_train_loggers``).
 Imports of Ray stay inside the functions where a command that needs no Ray (``ray-app checkpoints``,
@@ -140,6 +140,13 @@ ASSUMPTIONS: list[Assumption] = [
     Assumption("TORCH_FRAMEWORK", "ray.train.v2._internal.util:TrainingFramework.TORCH",
                "the backend config cannot name its framework: the kit stops with a one-line error",
                _has("ray.train.v2._internal.util", "TrainingFramework.TORCH")),
+    Assumption("polling_controller", "ray.train.v2.api.data_parallel_trainer:TrainController (the class "
+                                     "_initialize_and_run_controller starts as the controller actor), "
+                                     "TrainController._poll_workers (an async method that sleeps out "
+                                     "_health_check_interval_s since the last poll, then polls every worker)",
+               "the controller polls its workers at the fixed interval (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: 0.1 s "
+               "for small groups), about 2 % of a 2-core machine's CPU",
+               _has("ray.train.v2.api.data_parallel_trainer", "TrainController._poll_workers", callable_=True)),
     Assumption("trainer_class", "ray.train.torch:TorchTrainer private hooks _create_default_callbacks, "
                                 "_register_sigint_handler, _initialize_and_run_controller(failure_policy=, "
                                 "scaling_policy=)",
@@ -512,6 +519,7 @@ def trainer_class(dropped_callbacks: tuple[str, ...], failure_policy, scaling_po
     class LeanTorchTrainer(TorchTrainer):
         without_autoscaler = False  # set for a Ray the kit started itself: nothing to ask for resources
         kit_handles_sigint = False  # set where the driver's SIGINT checkpoints first (ray_app.preemption)
+        poll_when_busy = None  # ray_app.driver.BusyPolling: the controller's poll, fast only while reports come
         failure_policy_kwargs: dict = {}  # keyword arguments the kit's failure policy is built with
 
         def _create_default_callbacks(self):
@@ -527,9 +535,35 @@ def trainer_class(dropped_callbacks: tuple[str, ...], failure_policy, scaling_po
             kwargs["failure_policy"] = failure_policy(self.run_config.failure_config, **self.failure_policy_kwargs)
             if "scaling_policy" in kwargs:
                 kwargs["scaling_policy"] = scaling_policy(kwargs["scaling_policy"], self)
-            return super()._initialize_and_run_controller(**kwargs)
+            with _controller_class(self.poll_when_busy):
+                return super()._initialize_and_run_controller(**kwargs)
 
     return LeanTorchTrainer
+
+
+@contextlib.contextmanager
+def _controller_class(poll):
+    """Ray Train's controller actor, polling by ``poll`` (``ray_app.driver.BusyPolling``) where one is given:
+    ``_initialize_and_run_controller`` starts the class its module names ``TrainController``, which is
+    replaced for the call. Without the hook (``polling_controller``): Ray's fixed interval."""
+    if poll is None or _has("ray.train.v2.api.data_parallel_trainer", "TrainController._poll_workers")():
+        yield
+        return
+    import ray.train.v2.api.data_parallel_trainer as dpt
+
+    base = dpt.TrainController
+
+    class PollingController(base):
+        async def _poll_workers(self):
+            status = await super()._poll_workers()
+            self._health_check_interval_s = poll.after(status.worker_statuses.values())
+            return status
+
+    dpt.TrainController = PollingController
+    try:
+        yield
+    finally:
+        dpt.TrainController = base
 
 
 def main() -> int:
