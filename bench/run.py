@@ -186,8 +186,7 @@ class Plan:
         self.specs["j"] = {"a on": kit(w["compute"]), "a off": kit(w["compute"], variant="no-journal"),
                            "b on": kit(w["comm"]), "b off": kit(w["comm"], variant="no-journal")}
         # FSDP: workload (b) (wide_mlp: its parameters and optimizer state dominate), kit vs the twin's plain FSDP2
-        self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP),
-                           "kit poll": kit(w["comm"] + FSDP, variant="ray-poll")}
+        self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP)}
 
     def _smoke_specs(self, w: dict) -> None:
         """Few processes, each serving several cases; they run concurrently (see Runner.jobs)."""
