@@ -35,7 +35,7 @@ VARIANTS = {
                    "no run journal in any process (the bench's measure of its cost, case j; not a start-up change)"),
     "ray-poll": ({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}, None,
                  "Ray Train's controller polls the workers every 2 s, always (Ray's default; the kit polls every "
-                 "0.1 s for 3 s after a report, else every 1 s)"),
+                 "0.1 s for 3 s after a report, else every 0.5 s)"),
 }
 
 

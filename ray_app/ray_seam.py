@@ -553,13 +553,13 @@ def _controller_class(poll):
 
     base = dpt.TrainController
 
-    class PollingController(base):
+    class TrainController(base):  # Ray's name: its processes and log lines keep it ("(TrainController pid=...)")
         async def _poll_workers(self):
             status = await super()._poll_workers()
             self._health_check_interval_s = poll.after(status.worker_statuses.values())
             return status
 
-    dpt.TrainController = PollingController
+    dpt.TrainController = TrainController
     try:
         yield
     finally:

@@ -138,7 +138,7 @@ def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
 
 def test_the_controller_polls_fast_only_while_reports_come(monkeypatch, tmp_path):
     """Ray Train's controller polls every 0.1 s for 3 s after a poll that took a report or saw a worker finish
-    or fail, else every 1 s: a training run's lean trainer starts Ray's controller as a subclass whose
+    or fail, else every 0.5 s: a training run's lean trainer starts Ray's controller as a subclass whose
     ``_poll_workers`` (Ray's, run here) sets that interval; a user's own RAY_TRAIN_HEALTH_CHECK_INTERVAL_S
     and an evaluation keep Ray's fixed interval."""
     import asyncio
@@ -150,9 +150,9 @@ def test_the_controller_polls_fast_only_while_reports_come(monkeypatch, tmp_path
 
     idle = S(running=True, error=None, training_report=None)
     poll = driver.BusyPolling(0.1)
-    assert poll.after([idle, idle], now=100.0) == 1.0
+    assert poll.after([idle, idle], now=100.0) == 0.5
     assert poll.after([S(running=True, error=None, training_report=object()), idle], now=101.0) == 0.1
-    assert poll.after([idle, idle], now=103.9) == 0.1 and poll.after([idle, idle], now=104.1) == 1.0
+    assert poll.after([idle, idle], now=103.9) == 0.1 and poll.after([idle, idle], now=104.1) == 0.5
     assert poll.after([S(running=False, error=None, training_report=None), idle], now=105.0) == 0.1
     assert poll.after([S(running=True, error=RuntimeError("x"), training_report=None)], now=110.0) == 0.1
 
@@ -166,12 +166,13 @@ def test_the_controller_polls_fast_only_while_reports_come(monkeypatch, tmp_path
     assert trainer.poll_when_busy.fast_s == 0.1
     trainer._initialize_and_run_controller()
     assert dpt.TrainController is not seen["cls"] and issubclass(seen["cls"], dpt.TrainController)  # put back after
+    assert seen["cls"].__name__ == "TrainController"  # Ray names the actor's process and log lines by it
     controller = cloudpickle.loads(cloudpickle.dumps(seen["cls"]))  # as Ray sends it to the controller's process
     statuses = [{0: idle, 1: idle}, {0: S(running=True, error=None, training_report=object()), 1: idle}]
     group = S(poll_status=lambda timeout: S(worker_statuses=statuses.pop(0)))
     c = controller.__new__(controller)
     c._worker_group, c._health_check_interval_s = group, 0.1
-    for expected in (1.0, 0.1):  # nothing came: slow; a report: fast
+    for expected in (0.5, 0.1):  # nothing came: slow; a report: fast
         c._latest_poll_time = -math.inf  # Ray's _poll_workers sleeps out the interval since the last poll
         asyncio.run(c._poll_workers())
         assert c._health_check_interval_s == expected
