@@ -44,29 +44,37 @@ def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
             classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
             raise ConfigError(f"train.fsdp_units={names}: no module of the model is of these classes; "
                               f"its classes: {', '.join(classes[:12])}")
+        tied_outside = _tie_finder(module)
         for unit in units:
-            tie = _tied_outside(module, unit)
+            tie = tied_outside(unit)
             if tie:
                 raise ConfigError(f"train.fsdp_units={names}: {tie[0]} is tied to {tie[1]}, outside its unit "
                                   f"({type(unit).__name__}); a parameter lives in one unit: name classes that hold "
                                   f"both, or leave {type(unit).__name__} out (it then stays in the unit around it)")
         return units[::-1]  # modules() lists a module before the modules inside it
     units = _outermost_blocks(module) or [c for c in module.children() if _has_parameters(c)]
-    return [u for u in units if not _tied_outside(module, u)]
+    tied_outside = _tie_finder(module)
+    return [u for u in units if not tied_outside(u)]
 
 
-def _tied_outside(module: torch.nn.Module, unit: torch.nn.Module) -> tuple[str, str] | None:
-    """(a parameter's name in ``unit``, the name of the same tensor outside ``unit``), or None."""
-    prefix = next(name for name, m in module.named_modules(remove_duplicate=False) if m is unit) + "."
+def _tie_finder(module: torch.nn.Module):
+    """``tied_outside(unit)``: (a parameter's name in ``unit``, the name of the same tensor outside ``unit``), or
+    None. The model's names are read once."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    for p in unit.parameters():
-        inside = [n for n in names[id(p)] if n.startswith(prefix)]
-        outside = [n for n in names[id(p)] if not n.startswith(prefix)]
-        if outside:
-            return inside[0], outside[0]
-    return None
+    prefixes = {id(m): name + "." for name, m in module.named_modules(remove_duplicate=False)}
+
+    def tied_outside(unit: torch.nn.Module) -> tuple[str, str] | None:
+        prefix = prefixes[id(unit)]
+        for p in unit.parameters():
+            inside = [n for n in names[id(p)] if n.startswith(prefix)]
+            outside = [n for n in names[id(p)] if not n.startswith(prefix)]
+            if outside:
+                return inside[0], outside[0]
+        return None
+
+    return tied_outside
 
 
 def _has_parameters(module: torch.nn.Module) -> bool:
