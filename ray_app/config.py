@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -535,3 +536,21 @@ def resume_conflicts(saved: dict, cfg: Config) -> list[str]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# train keys that one strategy reads and the other does not
+STRATEGY_KEYS = {"bucket_cap_mb": "ddp", "find_unused_parameters": "ddp", "static_graph": "ddp",
+                 "fsdp_units": "fsdp", "reshard_after_forward": "fsdp"}
+
+
+def strategy_keys_note(cfg: Config) -> str | None:
+    """The one line said when a train key only the other strategy reads is set away from its default."""
+    default = TrainSection()
+    unused = [k for k, reader in STRATEGY_KEYS.items()
+              if reader != cfg.train.strategy and getattr(cfg.train, k) != getattr(default, k)]
+    if not unused:
+        return None
+    other = STRATEGY_KEYS[unused[0]]
+    keys = ", ".join(f"train.{k}={json.dumps(getattr(cfg.train, k))}" for k in unused)
+    return (f"ray-app: {keys} {'is' if len(unused) == 1 else 'are'} read under train.strategy={other} only, so "
+            f"not used by this train.strategy={cfg.train.strategy} run (docs/fsdp.md)")

@@ -20,7 +20,7 @@ import time
 import uuid
 
 from ray_app import ray_seam
-from ray_app.config import Config, config_from_dict
+from ray_app.config import Config, config_from_dict, strategy_keys_note
 from ray_app.errors import ConfigError, TrainingFailed, UserError
 from ray_app.worker import ResultSlot, worker_main
 
@@ -292,9 +292,9 @@ def validate_before_ray(cfg: Config) -> None:
         validate_local_data(cfg)
     elif target("data", cfg.data.name) == SHARDS_TARGET and cfg.data.path.startswith("s3://"):
         check_shard_set(cfg)  # the store the workers read: reachable from here too
-    note = loader_workers_note(cfg)
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    for note in (loader_workers_note(cfg), strategy_keys_note(cfg)):
+        if note:
+            print(note, file=sys.stderr, flush=True)
 
 
 def preflight_run(cfg: Config):

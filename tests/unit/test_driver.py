@@ -599,3 +599,20 @@ def test_the_driver_waits_for_the_workers_last_lines_before_shutting_ray_down():
     t0 = time.monotonic()
     WorkerLogs().drain(quiet_s=0.3, most_s=5.0)  # nothing streams: one quiet window
     assert 0.3 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_key_only_the_other_strategy_reads_is_named_once_before_ray(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for quiet in ([], ["train.strategy=fsdp", "train.fsdp_units=Block", "train.reshard_after_forward=false"],
+                  ["train.find_unused_parameters=true", "train.static_graph=true", "train.bucket_cap_mb=50"]):
+        validate_before_ray(load_config(None, quiet))
+    assert capsys.readouterr().err == ""
+    validate_before_ray(load_config(None, ["train.strategy=fsdp", "train.find_unused_parameters=true",
+                                           "train.bucket_cap_mb=50"]))
+    assert capsys.readouterr().err == (
+        "ray-app: train.bucket_cap_mb=50, train.find_unused_parameters=true are read under train.strategy=ddp only, "
+        "so not used by this train.strategy=fsdp run (docs/fsdp.md)\n")
+    validate_before_ray(load_config(None, ["train.fsdp_units=Block"]))
+    assert capsys.readouterr().err == (
+        'ray-app: train.fsdp_units="Block" is read under train.strategy=fsdp only, so not used by this '
+        "train.strategy=ddp run (docs/fsdp.md)\n")
