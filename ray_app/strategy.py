@@ -119,14 +119,46 @@ def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    shards = shard_units(module, units)
+    check_shardable(module, shards, units)
     mesh = init_device_mesh(device.type, (world_size,))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for unit in shard_units(module, units):
+    for unit in shards:
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def check_shardable(module: torch.nn.Module, units: list[torch.nn.Module], names: str = "") -> None:
+    """What ``fully_shard`` refuses in a model, as a ConfigError naming the parameter and the fix, before any
+    module is changed: a scalar (0-d) parameter (FSDP shards dim 0), and a unit whose parameters are not all of
+    one dtype (a unit is gathered as one flat buffer). ``units`` innermost first, as ``shard_units`` gives them;
+    the root's unit holds the rest."""
+    pname = {id(p): n for n, p in module.named_parameters()}
+    scalar = next((n for n, p in module.named_parameters() if p.dim() == 0), None)
+    if scalar is not None:
+        raise ConfigError(f"train.strategy=fsdp: parameter {scalar} is a scalar (0-d) and FSDP shards every "
+                          f"parameter along its first dimension: make it a 1-element tensor (torch.ones(1) "
+                          f"instead of torch.tensor(1.0)), or set train.strategy=ddp")
+    mname = {id(m): n for n, m in module.named_modules()}
+    claimed: set[int] = set()
+    for unit in [*units, module]:
+        mine = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in mine)
+        dtypes = {p.dtype for p in mine}
+        if len(dtypes) > 1:
+            where = f"the unit {mname[id(unit)]} ({type(unit).__name__})" if unit is not module \
+                else f"the root's unit ({type(unit).__name__}: what no unit holds)"
+            first = {}
+            for p in mine:
+                first.setdefault(p.dtype, pname[id(p)])
+            kinds = ", ".join(f"{first[d]} is {str(d).replace('torch.', '')}" for d in sorted(first, key=str))
+            raise ConfigError(f"train.strategy=fsdp: {where} holds parameters of {len(dtypes)} dtypes ({kinds}) "
+                              f"and FSDP gathers a unit in one: give them one dtype, or make the module holding "
+                              f"the other dtype a unit of its own (train.fsdp_units={names + ',' if names else ''}"
+                              f"<its class>)")
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -469,3 +469,49 @@ def test_a_model_with_modulelists_inside_its_blocks_shards_and_trains(port_picke
         assert set(got[units]) == {n for n, _ in model.named_parameters()}
         for name, p in model.named_parameters():
             torch.testing.assert_close(got[units][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_what_fully_shard_refuses_is_one_config_error_before_any_module_changes():
+    """A scalar parameter and a unit of two dtypes: fully_shard's own errors came from inside torch on every
+    rank (a scalar's before the first step, retried to failure.max_failures); now one line naming the
+    parameter and the fix, raised before the mesh or any unit is made (no process group needed here)."""
+    from torch import nn
+
+    from ray_app.errors import ConfigError
+    from ray_app.strategy import fully_shard_model
+
+    class Block(nn.Module):
+        def __init__(self, half=False):
+            super().__init__()
+            self.fc, self.gate = nn.Linear(4, 4), nn.Linear(4, 4)
+            if half:
+                self.gate.to(torch.bfloat16)
+
+    class Net(nn.Module):
+        def __init__(self, half=False, scalar=False, root_half=False):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block(half)])
+            self.head = nn.Linear(4, 2)
+            self.temp = nn.Parameter(torch.tensor(1.0) if scalar else torch.ones(1))
+            if root_half:
+                self.head.to(torch.float64)
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"^train.strategy=fsdp: parameter temp is a scalar \(0-d\).*torch.ones\(1\)"
+                                          r".*train.strategy=ddp$"):
+        fully_shard_model(Net(scalar=True), cpu, 2)
+    with pytest.raises(ConfigError, match=r"the unit blocks.1 \(Block\) holds parameters of 2 dtypes \("
+                                          r"blocks.1.gate.weight is bfloat16, blocks.1.fc.weight is float32\)"):
+        fully_shard_model(Net(half=True), cpu, 2)
+    with pytest.raises(ConfigError, match=r"the root's unit \(Net: what no unit holds\) holds parameters of 2 "
+                                          r"dtypes \(temp is float32, head.weight is float64\).*fsdp_units=Block,"):
+        fully_shard_model(Net(root_half=True), cpu, 2, units="Block")
+    refused = Net(half=True)
+    with pytest.raises(ConfigError):
+        fully_shard_model(refused, cpu, 2)
+    assert not any(hasattr(m, "set_requires_gradient_sync") for m in refused.modules())  # nothing sharded
+    # the fix the line names: the other dtype's module a unit of its own
+    from ray_app.strategy import check_shardable, shard_units
+
+    fine = Net(half=True)
+    check_shardable(fine, shard_units(fine, "Block,Linear"), "Block,Linear")
