@@ -439,6 +439,10 @@ def build_model(cfg: Config, info: dict):
     model = fn(**kwargs)
     if not isinstance(model, torch.nn.Module):
         raise PluginError(f"config key model.name: {cfg.model.name} returned {_kind(model)}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):  # DDP's own error came from the kit, retried
+        raise PluginError(f"config key model.name: {cfg.model.name} returned a module with no parameter that "
+                          f"requires a gradient, so there is nothing to train (every parameter frozen, or none "
+                          f"registered as an nn.Parameter)")
     return model
 
 

@@ -409,6 +409,12 @@ RECORDING_MODEL = """
 
     def not_a_module(num_classes):
         return {"num_classes": num_classes}
+
+    def frozen(num_classes):
+        return nn.Linear(2, num_classes).requires_grad_(False)
+
+    def no_parameters(num_classes):
+        return nn.ReLU()
 """
 
 
@@ -425,7 +431,7 @@ def test_build_model_passes_the_info_entries_it_names(plug):
     assert module.CALLS[-1] == {"a": 1}  # **kwargs takes the args, not the whole info
 
 
-def test_build_model_missing_required_param_and_non_module_return(plug):
+def test_build_model_missing_required_param_non_module_return_and_nothing_to_train(plug):
     name = plug(RECORDING_MODEL)
     with pytest.raises(PluginError) as exc:
         build_model(cfg(f"model.name={name}:needs_depth"), {"num_classes": 3})
@@ -433,6 +439,10 @@ def test_build_model_missing_required_param_and_non_module_return(plug):
     assert msg.startswith("config key model.args.depth:") and "needs depth" in msg and "num_classes" in msg
     with pytest.raises(PluginError, match=r"config key model.name: .*:not_a_module returned a dict, not a torch.nn.Module"):
         build_model(cfg(f"model.name={name}:not_a_module"), {"num_classes": 3})
+    for nothing in ("frozen", "no_parameters"):
+        with pytest.raises(PluginError, match=rf"config key model.name: .*:{nothing} returned a module with no "
+                                              r"parameter that requires a gradient, so there is nothing to train"):
+            build_model(cfg(f"model.name={name}:{nothing}"), {"num_classes": 3})
 
 
 def test_build_task_checks_the_object_and_passes_task_args(plug):
