@@ -128,7 +128,53 @@ def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size:
     for unit in shards:
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
+    if world_size > 1:
+        RankZeroBuffers.attach(module)
     return module
+
+
+class RankZeroBuffers:
+    """DDP's ``broadcast_buffers`` under FSDP, which syncs no buffer: before a forward that follows a forward in
+    training mode (BatchNorm's running statistics moved on every rank, each by its own batch), rank 0's
+    persistent buffers (those a checkpoint holds) are broadcast to every rank. Rank 0's buffers are then the
+    only ones that carry over, as under DDP: a checkpoint holds them whichever rank writes them
+    (``sync``, before a save), a resume continues them exactly, and every rank evaluates with them."""
+
+    def __init__(self, module: torch.nn.Module):
+        names = set(module.state_dict(keep_vars=True))  # before sharding: plain tensors
+        self.buffers = [b for n, b in module.named_buffers() if n in names]
+        self.pending = True  # the first forward syncs (a resume loads the same copy everywhere: a no-op then)
+
+    @classmethod
+    def attach(cls, module: torch.nn.Module) -> None:
+        sync = cls(module)
+        if sync.buffers:
+            module._ray_app_buffers = sync
+            module.register_forward_pre_hook(sync._before_forward)
+
+    def _before_forward(self, module, args) -> None:
+        if self.pending:
+            self.sync()
+        self.pending = module.training
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Every rank at the same point (one broadcast per dtype): rank 0's buffers everywhere."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for b in self.buffers:
+            groups.setdefault((b.dtype, b.device), []).append(b)
+        for group in groups.values():
+            flat = torch.cat([b.reshape(-1) for b in group])
+            dist.broadcast(flat, src=0)
+            for b, value in zip(group, flat.split([b.numel() for b in group])):
+                b.copy_(value.view_as(b))
+
+
+def sync_buffers(model: torch.nn.Module) -> None:
+    """Before a checkpoint of a sharded model (every rank): rank 0's buffers everywhere (RankZeroBuffers)."""
+    sync = getattr(model, "_ray_app_buffers", None)
+    if sync is not None:
+        sync.sync()
 
 
 def check_shardable(module: torch.nn.Module, units: list[torch.nn.Module], names: str = "") -> None:

@@ -38,6 +38,9 @@ RUNS = {  # name -> (overrides, crash after checkpoint number or None)
     "fsdp-async": (FSDP + EVERY5 + ["checkpoint.upload=async"], 1),
     "fsdp-async-process": (FSDP + EVERY5 + ["checkpoint.upload=async", "checkpoint.async_writer=process"], 1),
     "ddp-1": (ACCUM2 + ["train.epochs=1"], None),
+    # BatchNorm: running statistics every rank moves by its own batch (FSDP syncs no buffer of its own)
+    "bn-ref": (FSDP + NO_CKPT + ["model.name=tests.support.bn_model:bn_net"], None),
+    "bn-mid": (FSDP + EVERY5 + ["model.name=tests.support.bn_model:bn_net"], 1),
 }
 
 
@@ -67,7 +70,8 @@ def _fit(rank: int, world: int, cfg, crash_after=None) -> dict:
         except Exception:
             pass
     return {"summary": summary, "params": _full(trainer.model), "resumed_from_step": trainer.resumed_from_step,
-            "losses": [p["train_loss"] for p in metrics.progress]}
+            "losses": [p["train_loss"] for p in metrics.progress],
+            "buffers": {k: b.clone() for k, b in trainer.model.named_buffers()}}  # this rank's own
 
 
 def _evaluate(rank: int, world: int, cfg, uri: str) -> dict:
@@ -145,7 +149,7 @@ def fsdp_runs(tmp_path_factory, port_picker):
     _spawn(_last_worker, 1, port_picker(), str(out), storage)
     _spawn(_last_worker, 2, port_picker(), str(out), storage)
     load = lambda f: torch.load(out / f, weights_only=True)  # noqa: E731
-    return {"first": load("first0.pt"), "world3": load("world3-0.pt"), "last1": load("last1-0.pt"),
+    return {"first": load("first0.pt"), "first1": load("first1.pt"), "world3": load("world3-0.pt"), "last1": load("last1-0.pt"),
             "last2": load("last2-0.pt"), "storage": LocalStorage(storage), "root": storage}
 
 
@@ -162,6 +166,21 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_identical(fsdp_runs, name):
     assert _equal(r["resumed"]["params"], ref["params"])
     assert r["resumed"]["summary"]["eval_loss"] == ref["summary"]["eval_loss"]
     assert ref["summary"]["eval_accuracy"] > 0.5
+
+
+def test_batchnorm_statistics_follow_rank_0_so_a_resume_and_its_evaluation_are_exact(fsdp_runs):
+    """As DDP broadcasts rank 0's buffers before a forward, so does the kit under FSDP: every rank evaluates
+    with rank 0's running statistics, a checkpoint holds them whichever rank writes them, and a run resumed
+    mid-epoch ends with the uninterrupted run's buffers on every rank and its evaluation, exactly."""
+    ranks = [fsdp_runs["first"], fsdp_runs["first1"]]
+    for runs in ranks:
+        ref, resumed = runs["bn-ref"], runs["bn-mid"]["resumed"]
+        assert resumed["resumed_from_step"] == 5 and ref["buffers"]
+        assert _equal(resumed["params"], ref["params"]) and _equal(resumed["buffers"], ref["buffers"])
+    assert _equal(ranks[0]["bn-ref"]["buffers"], ranks[1]["bn-ref"]["buffers"])
+    ref, resumed = ranks[0]["bn-ref"]["summary"], ranks[0]["bn-mid"]["resumed"]["summary"]
+    assert {k: v for k, v in resumed.items() if k.startswith("eval_")} == \
+        {k: v for k, v in ref.items() if k.startswith("eval_")}, (resumed, ref)
 
 
 def test_every_rank_writes_its_share_and_the_manifest_covers_them_all(fsdp_runs):
