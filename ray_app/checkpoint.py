@@ -378,7 +378,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._join_share()  # back-pressure: this rank's previous share is uploaded
         rel = f"{self.run}/{name}"
-        sync_buffers(model)  # FSDP: rank 0's BatchNorm statistics, whichever rank writes them
+        sync_buffers(model)  # rank 0's BatchNorm statistics, whichever rank writes them
         model_sd, optim_sd = sharded.own_share(*train_state(model, optimizer), rank, world_size)
         if self.staged and self.writer == "process" and self._stager is None:  # before anything is made
             sharded.check_shared_memory(sharded.share_bytes(model_sd, optim_sd), rank)

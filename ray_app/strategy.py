@@ -171,9 +171,13 @@ class RankZeroBuffers:
 
 
 def sync_buffers(model: torch.nn.Module) -> None:
-    """Before a checkpoint of a sharded model (every rank): rank 0's buffers everywhere (RankZeroBuffers)."""
+    """Before a checkpoint (every rank): rank 0's buffers everywhere. A checkpoint deals the tensors every rank
+    holds to the ranks to write (``sharded.own_share``); each rank's BatchNorm statistics moved by its own batch
+    since the last forward's broadcast (DDP's, or RankZeroBuffers' under FSDP), and only rank 0's carry on."""
     sync = getattr(model, "_ray_app_buffers", None)
-    if sync is not None:
+    if sync is None and isinstance(model, torch.nn.parallel.DistributedDataParallel) and dist.get_world_size() > 1:
+        sync = RankZeroBuffers(model.module)
+    if sync is not None and sync.buffers:
         sync.sync()
 
 

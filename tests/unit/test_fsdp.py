@@ -41,6 +41,8 @@ RUNS = {  # name -> (overrides, crash after checkpoint number or None)
     # BatchNorm: running statistics every rank moves by its own batch (FSDP syncs no buffer of its own)
     "bn-ref": (FSDP + NO_CKPT + ["model.name=tests.support.bn_model:bn_net"], None),
     "bn-mid": (FSDP + EVERY5 + ["model.name=tests.support.bn_model:bn_net"], 1),
+    "bn-ddp-ref": (ACCUM2 + NO_CKPT + ["model.name=tests.support.bn_model:bn_net"], None),
+    "bn-ddp-mid": (ACCUM2 + EVERY5 + ["model.name=tests.support.bn_model:bn_net"], 1),
 }
 
 
@@ -169,18 +171,21 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_bit_identical(fsdp_runs, name):
 
 
 def test_batchnorm_statistics_follow_rank_0_so_a_resume_and_its_evaluation_are_exact(fsdp_runs):
-    """As DDP broadcasts rank 0's buffers before a forward, so does the kit under FSDP: every rank evaluates
-    with rank 0's running statistics, a checkpoint holds them whichever rank writes them, and a run resumed
-    mid-epoch ends with the uninterrupted run's buffers on every rank and its evaluation, exactly."""
+    """As DDP broadcasts rank 0's buffers before a forward, so does the kit under FSDP; under both, before a
+    checkpoint (whose writing is dealt over the ranks). Every rank evaluates with rank 0's running statistics,
+    a checkpoint holds them whichever rank writes them, and a run resumed mid-epoch ends with the uninterrupted
+    run's buffers on every rank and its evaluation, exactly (without: a rank's own copy was written, and
+    continued by every rank after a resume)."""
     ranks = [fsdp_runs["first"], fsdp_runs["first1"]]
-    for runs in ranks:
-        ref, resumed = runs["bn-ref"], runs["bn-mid"]["resumed"]
-        assert resumed["resumed_from_step"] == 5 and ref["buffers"]
-        assert _equal(resumed["params"], ref["params"]) and _equal(resumed["buffers"], ref["buffers"])
-    assert _equal(ranks[0]["bn-ref"]["buffers"], ranks[1]["bn-ref"]["buffers"])
-    ref, resumed = ranks[0]["bn-ref"]["summary"], ranks[0]["bn-mid"]["resumed"]["summary"]
-    assert {k: v for k, v in resumed.items() if k.startswith("eval_")} == \
-        {k: v for k, v in ref.items() if k.startswith("eval_")}, (resumed, ref)
+    for strategy in ("", "ddp-"):  # under DDP: its checkpoints deal the buffers to the ranks to write
+        for runs in ranks:
+            ref, resumed = runs[f"bn-{strategy}ref"], runs[f"bn-{strategy}mid"]["resumed"]
+            assert resumed["resumed_from_step"] == 5 and ref["buffers"]
+            assert _equal(resumed["params"], ref["params"]) and _equal(resumed["buffers"], ref["buffers"])
+        assert _equal(ranks[0][f"bn-{strategy}ref"]["buffers"], ranks[1][f"bn-{strategy}ref"]["buffers"])
+        ref, resumed = ranks[0][f"bn-{strategy}ref"]["summary"], ranks[0][f"bn-{strategy}mid"]["resumed"]["summary"]
+        assert {k: v for k, v in resumed.items() if k.startswith("eval_")} == \
+            {k: v for k, v in ref.items() if k.startswith("eval_")}, (strategy, resumed, ref)
 
 
 def test_every_rank_writes_its_share_and_the_manifest_covers_them_all(fsdp_runs):
