@@ -83,7 +83,8 @@ class NonFinite:
         holds its shards, and the ranks agree in one all_reduce (every rank calls this at the same point)."""
         if not is_sharded(module):
             return all(bool(torch.isfinite(p).all()) for p in module.parameters())
-        local = all(bool(torch.isfinite(p.to_local()).all()) for p in module.parameters())
+        local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())  # a scalar: whole
+                    for p in module.parameters())
         verdict = torch.tensor([1 if local else 0], dtype=torch.int32, device=next(module.parameters()).device)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # sync point: all ranks
         return bool(verdict.item())

@@ -125,12 +125,40 @@ def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size:
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for unit in shards:
-        fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
+    scalars = {p for p in module.parameters() if p.dim() == 0}
+    for unit in [*shards, module]:
+        ignored = {p for p in unit.parameters() if p in scalars}
+        fully_shard(unit, **kwargs, **({"ignored_params": ignored} if ignored else {}))
     if world_size > 1:
         RankZeroBuffers.attach(module)
+        ReplicatedScalars.attach(module, scalars)
     return module
+
+
+class ReplicatedScalars:
+    """Scalar (0-d) parameters, such as a learned temperature, under FSDP, which shards every parameter along
+    its first dimension and so cannot take them: every rank holds them whole, as DDP does, and their gradients
+    are averaged over the ranks when FSDP reduces the others' (a backward outside ``no_sync``), each as it is
+    accumulated. Their norm counts once in the global one (``grad_norm``); a checkpoint writes them once."""
+
+    def __init__(self):
+        self.sync = True  # False inside no_sync (a non-final accumulation micro-step)
+        self.world = dist.get_world_size()
+
+    @classmethod
+    def attach(cls, module: torch.nn.Module, scalars: set) -> None:
+        if not scalars:
+            return
+        state = module._ray_app_scalars = cls()
+        for p in scalars:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(state._average)
+
+    @torch.no_grad()
+    def _average(self, p: torch.Tensor) -> None:
+        if self.sync:
+            dist.all_reduce(p.grad)  # every rank, in the same order: autograd's, the same graph on each
+            p.grad.div_(self.world)
 
 
 class RankZeroBuffers:
@@ -183,17 +211,12 @@ def sync_buffers(model: torch.nn.Module) -> None:
 
 def check_shardable(module: torch.nn.Module, units: list[torch.nn.Module], names: str = "") -> None:
     """What ``fully_shard`` refuses in a model, as a ConfigError naming the parameter and the fix, before any
-    module is changed: a scalar (0-d) parameter (FSDP shards dim 0), and a unit whose parameters are not all of
-    one dtype (a unit is gathered as one flat buffer). ``units`` innermost first, as ``shard_units`` gives them;
-    the root's unit holds the rest."""
+    module is changed: a unit whose parameters are not all of one dtype (a unit is gathered as one flat
+    buffer). ``units`` innermost first, as ``shard_units`` gives them; the root's unit holds the rest. Scalar
+    parameters, which FSDP cannot shard, are left out of every unit (ReplicatedScalars)."""
     pname = {id(p): n for n, p in module.named_parameters()}
-    scalar = next((n for n, p in module.named_parameters() if p.dim() == 0), None)
-    if scalar is not None:
-        raise ConfigError(f"train.strategy=fsdp: parameter {scalar} is a scalar (0-d) and FSDP shards every "
-                          f"parameter along its first dimension: make it a 1-element tensor (torch.ones(1) "
-                          f"instead of torch.tensor(1.0)), or set train.strategy=ddp")
     mname = {id(m): n for n, m in module.named_modules()}
-    claimed: set[int] = set()
+    claimed: set[int] = {id(p) for p in module.parameters() if p.dim() == 0}  # replicated (ReplicatedScalars)
     for unit in [*units, module]:
         mine = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in mine)
@@ -229,10 +252,15 @@ def no_sync(model: torch.nn.Module):
 @contextlib.contextmanager
 def _fsdp_no_sync(model):
     model.set_requires_gradient_sync(False)
+    scalars = getattr(model, "_ray_app_scalars", None)
+    if scalars is not None:
+        scalars.sync = False
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+        if scalars is not None:
+            scalars.sync = True
 
 
 def grad_norm(model: torch.nn.Module, max_norm: float = 0.0) -> torch.Tensor:
@@ -242,16 +270,20 @@ def grad_norm(model: torch.nn.Module, max_norm: float = 0.0) -> torch.Tensor:
     ``all_reduce`` of one number adds them (the DTensor route of ``clip_grad_norm_`` redistributes every
     parameter's norm on its own: a collective per parameter, every step)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not is_sharded(model) or not all(_sharded_only(g) for g in grads):
+    sharded = [g for g in grads if _sharded_only(g)]
+    whole = [g for g in grads if not hasattr(g, "to_local")]  # ReplicatedScalars': the same on every rank
+    if not is_sharded(model) or len(sharded) + len(whole) != len(grads):
         if max_norm:
             return full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         return full_value(torch.nn.utils.get_total_norm(grads))
-    local = [g.to_local() for g in grads]
+    local = [g.to_local() for g in sharded]
     square = torch.nn.utils.get_total_norm(local).to(torch.float32) ** 2 if local else torch.zeros(())
-    dist.all_reduce(square, group=grads[0].device_mesh.get_group() if grads else None)  # sync point: all ranks
+    dist.all_reduce(square, group=sharded[0].device_mesh.get_group() if sharded else None)  # sync point: all ranks
+    if whole:  # counted once, after the sum over the ranks' shards
+        square = square + torch.nn.utils.get_total_norm(whole).to(torch.float32) ** 2
     norm = square.sqrt()
-    if max_norm and local:  # clip_grad_norm_'s rule, on each rank's shards (views of the DTensor gradients)
-        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if max_norm and (local or whole):  # clip_grad_norm_'s rule, on each rank's shards (views of the gradients)
+        torch._foreach_mul_(local + whole, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
 
 

@@ -39,10 +39,13 @@ RUNS = {  # name -> (overrides, crash after checkpoint number or None)
     "fsdp-async-process": (FSDP + EVERY5 + ["checkpoint.upload=async", "checkpoint.async_writer=process"], 1),
     "ddp-1": (ACCUM2 + ["train.epochs=1"], None),
     # BatchNorm: running statistics every rank moves by its own batch (FSDP syncs no buffer of its own)
-    "bn-ref": (FSDP + NO_CKPT + ["model.name=tests.support.bn_model:bn_net"], None),
-    "bn-mid": (FSDP + EVERY5 + ["model.name=tests.support.bn_model:bn_net"], 1),
-    "bn-ddp-ref": (ACCUM2 + NO_CKPT + ["model.name=tests.support.bn_model:bn_net"], None),
-    "bn-ddp-mid": (ACCUM2 + EVERY5 + ["model.name=tests.support.bn_model:bn_net"], 1),
+    "bn-ref": (FSDP + NO_CKPT + ["model.name=tests.support.unsharded_model:bn_net"], None),
+    "bn-mid": (FSDP + EVERY5 + ["model.name=tests.support.unsharded_model:bn_net"], 1),
+    "bn-ddp-ref": (ACCUM2 + NO_CKPT + ["model.name=tests.support.unsharded_model:bn_net"], None),
+    "bn-ddp-mid": (ACCUM2 + EVERY5 + ["model.name=tests.support.unsharded_model:bn_net"], 1),
+    # scalar parameters (FSDP shards none): replicated, their gradients averaged
+    "scalar-ref": (FSDP + NO_CKPT + ["model.name=tests.support.unsharded_model:ScalarNet"], None),
+    "scalar-mid": (FSDP + EVERY5 + ["model.name=tests.support.unsharded_model:ScalarNet"], 1),
 }
 
 
@@ -186,6 +189,14 @@ def test_batchnorm_statistics_follow_rank_0_so_a_resume_and_its_evaluation_are_e
         ref, resumed = ranks[0][f"bn-{strategy}ref"]["summary"], ranks[0][f"bn-{strategy}mid"]["resumed"]["summary"]
         assert {k: v for k, v in resumed.items() if k.startswith("eval_")} == \
             {k: v for k, v in ref.items() if k.startswith("eval_")}, (strategy, resumed, ref)
+
+
+def test_a_run_with_scalar_parameters_resumes_bit_identical(fsdp_runs):
+    ref, r = fsdp_runs["first"]["scalar-ref"], fsdp_runs["first"]["scalar-mid"]
+    assert r["resumed"]["resumed_from_step"] == 5 and ref["params"]["temperature"].dim() == 0
+    assert not torch.equal(ref["params"]["temperature"], torch.tensor(1.0))  # it learned
+    assert _equal(r["resumed"]["params"], ref["params"]), "the resumed run ends elsewhere"
+    assert r["resumed"]["summary"]["eval_loss"] == ref["summary"]["eval_loss"]
 
 
 def test_every_rank_writes_its_share_and_the_manifest_covers_them_all(fsdp_runs):
@@ -389,6 +400,52 @@ def test_fsdp_gradient_norm_and_clipping_equal_the_unsharded_models(port_picker,
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
 
 
+def _scalar_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(20 + rank)  # each rank its own two micro-batches
+    return [torch.randn(6, 1, 8, 8, generator=g) * 3 for _ in range(2)]
+
+
+def _scalar_worker(rank: int, world: int, port: int, out: str) -> None:
+    from ray_app.strategy import fully_shard_model, grad_norm, no_sync
+    from tests.support.unsharded_model import ScalarNet
+
+    _init(rank, world, port)
+    torch.manual_seed(3)
+    model = fully_shard_model(ScalarNet(1, 8, 10), torch.device("cpu"), world)
+    first, last = _scalar_batches(rank)
+    with no_sync(model):  # a non-final accumulation micro-step: nothing reduced
+        model(first).square().mean().backward()
+    model(last).square().mean().backward()
+    norm = grad_norm(model, 1.0)
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+             for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"norm": norm, "grads": grads}, out)
+    _finish()
+
+
+def test_scalar_parameters_are_replicated_and_their_gradients_averaged_with_the_shards(port_picker, tmp_path):
+    """FSDP shards every parameter along its first dimension and refused a 0-d one (a learned temperature, a
+    gain) from inside torch on every rank. The kit keeps them whole on every rank: after two accumulation
+    micro-steps on each rank's own data, every gradient (sharded or scalar) and the clipped global norm are the
+    unsharded model's on the ranks' data averaged."""
+    from tests.support.unsharded_model import ScalarNet
+
+    out = str(tmp_path / "scalars.pt")
+    _spawn(_scalar_worker, 2, port_picker(), out)
+    got = torch.load(out, weights_only=True)
+    torch.manual_seed(3)
+    model = ScalarNet(1, 8, 10)
+    loss = sum(model(x).square().mean() for rank in range(2) for x in _scalar_batches(rank)) / 2
+    loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert expected > 1  # the clip did scale
+    torch.testing.assert_close(got["norm"], expected, rtol=1e-5, atol=0)
+    assert got["grads"].keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_share_that_does_not_fit_in_shared_memory_is_refused_before_any_buffer(tmp_path):
     """checkpoint.async_writer=process stages into /dev/shm; a share bigger than its free space is a clear error
     (a tmpfs that fills while a buffer is written would kill the worker with SIGBUS)."""
@@ -495,10 +552,10 @@ def test_a_model_with_modulelists_inside_its_blocks_shards_and_trains(port_picke
             torch.testing.assert_close(got[units][name], p.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_what_fully_shard_refuses_is_one_config_error_before_any_module_changes():
-    """A scalar parameter and a unit of two dtypes: fully_shard's own errors came from inside torch on every
-    rank (a scalar's before the first step, retried to failure.max_failures); now one line naming the
-    parameter and the fix, raised before the mesh or any unit is made (no process group needed here)."""
+def test_a_unit_of_two_dtypes_is_one_config_error_before_any_module_changes():
+    """fully_shard gathers a unit as one buffer: a unit of two dtypes ended with torch's AssertionError from
+    every rank at the first step; now one line naming the unit, a parameter of each dtype and the fix, raised
+    before the mesh or any unit is made (no process group needed here)."""
     from torch import nn
 
     from ray_app.errors import ConfigError
@@ -512,18 +569,16 @@ def test_what_fully_shard_refuses_is_one_config_error_before_any_module_changes(
                 self.gate.to(torch.bfloat16)
 
     class Net(nn.Module):
-        def __init__(self, half=False, scalar=False, root_half=False):
+        def __init__(self, half=False, root_half=False):
             super().__init__()
             self.blocks = nn.ModuleList([Block(), Block(half)])
             self.head = nn.Linear(4, 2)
-            self.temp = nn.Parameter(torch.tensor(1.0) if scalar else torch.ones(1))
+            self.temp = nn.Parameter(torch.ones(1))
+            self.scale = nn.Parameter(torch.tensor(1.0, dtype=torch.float16))  # a scalar: in no unit
             if root_half:
                 self.head.to(torch.float64)
 
     cpu = torch.device("cpu")
-    with pytest.raises(ConfigError, match=r"^train.strategy=fsdp: parameter temp is a scalar \(0-d\).*torch.ones\(1\)"
-                                          r".*train.strategy=ddp$"):
-        fully_shard_model(Net(scalar=True), cpu, 2)
     with pytest.raises(ConfigError, match=r"the unit blocks.1 \(Block\) holds parameters of 2 dtypes \("
                                           r"blocks.1.gate.weight is bfloat16, blocks.1.fc.weight is float32\)"):
         fully_shard_model(Net(half=True), cpu, 2)

@@ -1,0 +1,39 @@
+"""Model plug-ins with what FSDP does not shard: BatchNorm's running statistics (buffers each rank moves by its
+own batch in training mode) and scalar parameters."""
+
+import torch
+from torch import nn
+
+
+def bn_net(channels: int, image_size: int, num_classes: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(channels * image_size * image_size, 32), nn.BatchNorm1d(32),
+                         nn.ReLU(), nn.Linear(32, num_classes))
+
+
+class _Scaled(nn.Module):
+    """A block with a learned 0-d gain (ReZero's alpha as a scalar)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc, self.gain = nn.Linear(width, width), nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return x + self.gain * torch.relu(self.fc(x))
+
+
+class ScalarNet(nn.Module):
+    """Scalar (0-d) parameters, which FSDP cannot shard: a gain inside each block (a unit) and a temperature at
+    the root."""
+
+    def __init__(self, channels: int, image_size: int, num_classes: int, width: int = 32):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(channels * image_size * image_size, width))
+        self.blocks = nn.ModuleList([_Scaled(width) for _ in range(2)])
+        self.head = nn.Linear(width, num_classes)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) / self.temperature
