@@ -169,7 +169,7 @@ class RankZeroBuffers:
     (``sync``, before a save), a resume continues them exactly, and every rank evaluates with them."""
 
     def __init__(self, module: torch.nn.Module):
-        names = set(module.state_dict(keep_vars=True))  # before sharding: plain tensors
+        names = set(module.state_dict(keep_vars=True))  # what a checkpoint holds (buffers stay plain tensors)
         self.buffers = [b for n, b in module.named_buffers() if n in names]
         self.pending = True  # the first forward syncs (a resume loads the same copy everywhere: a no-op then)
 
