@@ -171,6 +171,9 @@ class RankZeroBuffers:
     def __init__(self, module: torch.nn.Module):
         names = set(module.state_dict(keep_vars=True))  # what a checkpoint holds (buffers stay plain tensors)
         self.buffers = [b for n, b in module.named_buffers() if n in names]
+        self.groups: dict[tuple, list[torch.Tensor]] = {}  # one broadcast per (dtype, device)
+        for b in self.buffers:
+            self.groups.setdefault((b.dtype, b.device), []).append(b)
         self.pending = True  # the first forward syncs (a resume loads the same copy everywhere: a no-op then)
 
     @classmethod
@@ -188,10 +191,7 @@ class RankZeroBuffers:
     @torch.no_grad()
     def sync(self) -> None:
         """Every rank at the same point (one broadcast per dtype): rank 0's buffers everywhere."""
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for b in self.buffers:
-            groups.setdefault((b.dtype, b.device), []).append(b)
-        for group in groups.values():
+        for group in self.groups.values():
             flat = torch.cat([b.reshape(-1) for b in group])
             dist.broadcast(flat, src=0)
             for b, value in zip(group, flat.split([b.numel() for b in group])):
