@@ -74,8 +74,8 @@ lint: venv ## ruff (pyflakes, pycodestyle, isort, bugbear; config in pyproject.t
 	$(VENV)/bin/ruff check ray_app bench tests
 
 .PHONY: check-ray
-check-ray: venv ## Check each assumption the kit makes about Ray's private code against the installed Ray (ray_app/ray_seam.py)
-	$(PY) -m ray_app.ray_seam
+check-ray: venv ## Check each assumption the kit makes about Ray's private code against the installed Ray (ray_app/shared/ray_seam.py)
+	$(PY) -m ray_app.shared.ray_seam
 
 .PHONY: preflight
 preflight: venv ## Check config, storage and cluster without training

@@ -47,7 +47,7 @@ WORKLOADS = {"a": ("full", "compute"), "b": ("full", "comm"), "smoke": ("smoke",
 def workload_config(name: str):
     """The kit's config of one of bench/run.py's workloads."""
     from bench.run import WORKLOADS as RUN_WORKLOADS
-    from ray_app.config import load_config
+    from ray_app.shared.config import load_config
 
     size, kind = WORKLOADS[name]
     return load_config(None, list(RUN_WORKLOADS[size][kind]))
@@ -58,8 +58,8 @@ def workload_config(name: str):
 def marks_seconds(steps: int = 4000, rounds: int = 9) -> float:
     """Seconds per step the pace's marks add: the same near-empty step with the pace on and off, blocks
     interleaved, the median of the rounds' differences."""
-    from ray_app.metrics import NullMetrics
-    from ray_app.pace import Pace
+    from ray_app.worker.metrics import NullMetrics
+    from ray_app.worker.pace import Pace
 
     batches = [torch.ones(1, 4)] * steps
     loops = {}
@@ -88,8 +88,8 @@ def marks_seconds(steps: int = 4000, rounds: int = 9) -> float:
 
 def event_write_seconds(events: int = 60) -> float:
     """Median seconds to write one journal event to a local run folder (the writer thread's work)."""
-    from ray_app.journal import JournalWriter
-    from ray_app.storage import LocalStorage
+    from ray_app.shared.journal import JournalWriter
+    from ray_app.shared.storage import LocalStorage
 
     with tempfile.TemporaryDirectory() as d:
         w = JournalWriter(LocalStorage(d), "run", source="rank0")
@@ -110,12 +110,12 @@ def _rank(rank: int, world: int, port: int, workload: str, steps: int, folder: s
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
-    from ray_app.journal import JournalSink, JournalWriter
-    from ray_app.metrics import PrometheusMetrics
-    from ray_app.pace import Pace
-    from ray_app.parts import build_optimizer
-    from ray_app.plugins import build_data, build_model
-    from ray_app.storage import LocalStorage
+    from ray_app.shared.journal import JournalSink, JournalWriter
+    from ray_app.shared.plugins import build_data, build_model
+    from ray_app.shared.storage import LocalStorage
+    from ray_app.worker.metrics import PrometheusMetrics
+    from ray_app.worker.pace import Pace
+    from ray_app.worker.parts import build_optimizer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -34,8 +34,8 @@ def flops_per_sample(overrides: tuple[str, ...], batch: int = 2) -> float:
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ray_app.config import load_config
-    from ray_app.plugins import build_model
+    from ray_app.shared.config import load_config
+    from ray_app.shared.plugins import build_model
 
     cfg = load_config(None, list(overrides))
     channels = 1 if cfg.data.name == "digits" else 3

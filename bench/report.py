@@ -13,7 +13,7 @@ from bench import parse
 METHOD = """\
 - **Same work.** The twin (`bench/twin.py`) reads the same config and `--set` values as `ray-app train`, builds
   the model and data with the kit's own factories and takes its seeding, train sampler (`DistributedSampler`'s
-  order) and optimizer with LR schedule (SGD momentum 0.9) from `ray_app.loop`; the loop is its own, plain
+  order) and optimizer with LR schedule (SGD momentum 0.9) from `ray_app.worker.loop`; the loop is its own, plain
   torch: DDP with its defaults, global-mean loss every `train.log_every_steps`, exact evaluation after every
   epoch, gloo, `OMP_NUM_THREADS=1`, launched by `torchrun --standalone`. The "same losses" note compares the
   loss both print at each logged step.

@@ -5,16 +5,16 @@
 
 It reads the same config (file + ``--set``) as ``ray-app train`` and takes the
 kit's pure pieces, so the work is identical: model and data
-(``ray_app.plugins.build_model`` / ``build_data``), seeding, the train sampler
-(``ray_app.ddp.ResumableDistributedSampler``, DistributedSampler's order) and
+(``ray_app.shared.plugins.build_model`` / ``build_data``), seeding, the train sampler
+(``ray_app.worker.ddp.ResumableDistributedSampler``, DistributedSampler's order) and
 the optimizer with its warmup + cosine LR schedule
-(``ray_app.loop.build_optimizer``), per-worker batch size, log cadence
+(``ray_app.worker.loop.build_optimizer``), per-worker batch size, log cadence
 (global-mean loss with one all_reduce every ``train.log_every_steps``), exact
 evaluation after every epoch and at the end (all_gather). The loop, the
 collectives and the checkpoints are its own, plain torch:
 DistributedDataParallel with its defaults, gloo on CPU; with ``--set train.strategy=fsdp``
 plain FSDP2 instead: ``torch.distributed.fsdp.fully_shard`` on each of the units the kit picks
-(``ray_app.strategy.shard_units``, a pure function of the model and ``train.fsdp_units``), then on
+(``ray_app.worker.strategy.shard_units``, a pure function of the model and ``train.fsdp_units``), then on
 the root, with ``train.reshard_after_forward`` and, on a GPU with ``train.amp``, bf16 parameters and
 fp32 gradient reduction. ``train.grad_accum`` micro-steps accumulate locally (DDP's ``no_sync``,
 FSDP2's ``set_requires_gradient_sync(False)``) and sync on the last. Kit-only keys
@@ -49,11 +49,11 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ray_app.config import load_config  # noqa: E402  (the kit's pure pieces: no Ray, no Trainer)
-from ray_app.ddp import ResumableDistributedSampler, seed_everything  # noqa: E402
-from ray_app.parts import build_optimizer  # noqa: E402
-from ray_app.plugins import build_data, build_model  # noqa: E402
-from ray_app.strategy import shard_units  # noqa: E402  (pure: which sub-modules are FSDP units)
+from ray_app.shared.config import load_config  # noqa: E402  (the kit's pure pieces: no Ray, no Trainer)
+from ray_app.shared.plugins import build_data, build_model  # noqa: E402
+from ray_app.worker.ddp import ResumableDistributedSampler, seed_everything  # noqa: E402
+from ray_app.worker.parts import build_optimizer  # noqa: E402
+from ray_app.worker.strategy import shard_units  # noqa: E402  (pure: which sub-modules are FSDP units)
 
 T_IMPORTS = time.time()
 

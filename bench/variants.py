@@ -4,7 +4,7 @@
 
 Each variant sets Ray's environment variables (they reach every Ray process of
 a local cluster: the raylet inherits the driver's environment) and/or wraps a
-public Ray call before ``ray_app.cli.main`` runs. Nothing of ray_app is patched;
+public Ray call before ``ray_app.driver.cli.main`` runs. Nothing of ray_app is patched;
 a variant that pays off is a suggestion for the kit, measured by case ``v`` of
 bench/run.py against the kit as it is.
 """
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     os.environ.update(env)
     if wrap is not None:
         wrap()
-    from ray_app.cli import main as ray_app_main
+    from ray_app.driver.cli import main as ray_app_main
 
     return ray_app_main(argv[1:])
 

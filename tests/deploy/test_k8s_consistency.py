@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_app import podlabel
-from ray_app.config import MetricsSection, load_config
+from ray_app.shared.config import MetricsSection, load_config
+from ray_app.worker import podlabel
 from tests.support.k8s import (
     DEPLOYABLE,
     K8S,

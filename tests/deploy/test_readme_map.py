@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def map_paths(readme: str) -> set[str]:
     """The paths in the first column of the map; a bare name (`tasks.py`) is in the folder of the first
-    path of its cell (`ray_app/plugins.py`, `tasks.py` -> ray_app/tasks.py)."""
+    path of its cell (`ray_app/shared/plugins.py`, `tasks.py` -> ray_app/shared/tasks.py)."""
     section = readme.split("\n## Where things are\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     assert rows, "README: no rows in the 'Where things are' table"

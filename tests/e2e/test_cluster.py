@@ -219,7 +219,7 @@ def test_killed_worker_container_resumes_from_newest_checkpoint(cluster, referen
 
     # Prometheus saw the resumed worker group's rank 0 export the step it resumed from: the job may end
     # seconds after the resume, and its exporter waits for a scrape of its last values before it closes
-    # (ray_app/metrics.py, the final scrape), so they are there by the time the job has ended.
+    # (ray_app/worker/metrics.py, the final scrape), so they are there by the time the job has ended.
     window = int(time.monotonic() - killed_at) + 5
     seen = wait_until(lambda: cluster.prometheus.query(f"max_over_time(ray_app_resumed_from_step[{window}s]) > 0"),
                       30, what="ray_app_resumed_from_step > 0 in Prometheus")

@@ -22,7 +22,7 @@ def test_build_context_cannot_hold_secrets(docker_engine, tmp_path):
     """
     decoys = [".ray-token", ".minio-secret", ".env", "docker/.env", ".aws/credentials", ".venv/bin/python",
               "runs/r/ckpt/model.pt", ".git/config", "build/e2e-logs/head.log", "id_rsa", "docker/compose.yaml"]
-    kept = ["pyproject.toml", "README.md", "ray_app/cli.py", "configs/cluster.yaml",
+    kept = ["pyproject.toml", "README.md", "ray_app/driver/cli.py", "configs/cluster.yaml",
             "docker/requirements-cpu.txt", "build/wheelhouse/x-1.0-py3-none-any.whl"]
     for rel in decoys + kept:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ TASK = '''
 
     import torch.distributed as dist
 
-    from ray_app.tasks import Classification
+    from ray_app.shared.tasks import Classification
 
 
     def data():

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_app import journal
-from ray_app.catalog import newest_verified
-from ray_app.storage import LocalStorage
+from ray_app.shared import journal
+from ray_app.shared.catalog import newest_verified
+from ray_app.shared.storage import LocalStorage
 from tests.support.ports import free_port
 from tests.support.processes import stop_process
 

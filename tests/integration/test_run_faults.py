@@ -113,9 +113,9 @@ STALE_S = 12.0
 
 @pytest.mark.timeout(120)
 def test_the_s3_lease_refuses_a_second_driver_and_is_taken_over_once_stale(s3, monkeypatch):
-    from ray_app.errors import RunHeld
-    from ray_app.lease import RunLease, lease_store
-    from ray_app.storage import S3Storage
+    from ray_app.shared.errors import RunHeld
+    from ray_app.shared.lease import RunLease, lease_store
+    from ray_app.shared.storage import S3Storage
 
     for key, value in s3.env().items():
         if key.startswith("AWS_"):

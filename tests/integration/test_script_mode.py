@@ -107,7 +107,7 @@ def test_a_script_that_raises_exits_1_with_its_traceback_once_and_is_not_retried
     text = out + err
     assert text.count("Traceback") == 1, text[-5000:]
     assert "fails.py" in err and "in step" in err and "runpy" not in err
-    assert "ray_app/script.py" not in err and "ray_app/worker.py" not in err  # the script's frames only
+    assert "ray_app/worker/script.py" not in err and "ray_app/worker/entry.py" not in err  # the script's frames only
     assert err.strip().splitlines()[-1].startswith("ray-app: training failed: ValueError: bad batch 3 on rank")
     # the second attempt failed at the same place: a bug, not a fault; failure.max_failures=3 is not used up
     assert 1 <= text.count("attempt started") <= 2, text[-5000:]

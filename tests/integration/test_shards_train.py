@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ray_app import cli
+from ray_app.driver import cli
 from tests.integration.faultlib import Run, assert_bit_identical, final_model, summary_of
 from tests.integration.s3server import start_s3_server
 

@@ -123,7 +123,7 @@ def test_a_tracked_run_survives_a_late_server_a_killed_rank0_and_an_outage_with_
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from ray_app.tracking import flat_params
+    from ray_app.worker.tracking import flat_params
 
     run_dir = tmp_path / RUN
     mlflow_server.pause()  # 1. the URI does not answer at the start

@@ -65,8 +65,8 @@ def test_default_config_trains_digits_to_95_percent(trained):
 
 
 def test_summary_checkpoint_is_committed_under_the_storage_dir(trained):
-    from ray_app.catalog import verify
-    from ray_app.storage import LocalStorage
+    from ray_app.shared.catalog import verify
+    from ray_app.shared.storage import LocalStorage
 
     storage, summary, _ = trained
     ckpt = Path(summary["checkpoint"])

@@ -263,7 +263,7 @@ def test_a_bug_in_user_code_is_shown_once_with_its_traceback_and_not_retried_to_
     # the first attempt's restart line naming it, then the traceback once and the last line
     assert text.count("Traceback") == 1 and text.count("ValueError: no eval for") == 3
     assert text.count("ray-app: rank 0 raised in your code at step ") == 2  # the restart line, the traceback's head
-    assert "acme/odd.py" in err and "in forward" in err and "ray_app/worker.py" not in err
+    assert "acme/odd.py" in err and "in forward" in err and "ray_app/worker/entry.py" not in err
     # failure.max_failures=3, but the second attempt failed at the same place and step: a bug, not a fault
     assert text.count("rank 0/2 on host") == 2
     assert err.strip().splitlines()[-1].startswith("ray-app: training failed: ValueError: no eval for")

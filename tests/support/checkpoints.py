@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ray_app.catalog import checkpoint_dir_name
-from ray_app.checkpoint import CheckpointPayload, capture_rng_state, write_checkpoint_dir
+from ray_app.shared.catalog import checkpoint_dir_name
+from ray_app.worker.checkpoint import CheckpointPayload, capture_rng_state, write_checkpoint_dir
 
 
 def _tiny_trained(seed: int):
@@ -60,7 +60,7 @@ def checkpoint_model(uri: str, env: dict | None = None) -> dict:
     `ray-app checkpoints export` does; ``env``: the S3 settings (endpoint, credentials) to read it with."""
     import os
 
-    from ray_app.checkpoint import load_named_or_newest
+    from ray_app.worker.checkpoint import load_named_or_newest
 
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})

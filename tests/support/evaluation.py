@@ -16,8 +16,8 @@ def accuracy_and_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[floa
 def default_model_eval(state_dict: dict) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``state_dict`` loaded into the default config's model, over the
     whole eval set in one batch, in float64 for the means."""
-    from ray_app.config import load_config
-    from ray_app.plugins import build_data, build_model
+    from ray_app.shared.config import load_config
+    from ray_app.shared.plugins import build_data, build_model
 
     cfg = load_config(None, [])
     _, ev, info = build_data(cfg)

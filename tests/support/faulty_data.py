@@ -48,7 +48,7 @@ class FlakyTask:
     two workers a build each), and trains on otherwise: an intermittent read error at two different steps."""
 
     def __init__(self, attempts: str, fail_at: str = "3,7"):
-        from ray_app.tasks import Classification
+        from ray_app.shared.tasks import Classification
 
         self.inner = Classification()
         with open(attempts) as f:
@@ -94,7 +94,7 @@ def slow_rank(name: str = "synthetic", rank: int = 1, delay_s: float = 0.1, batc
     ``once`` (a file path), only in the first worker group that builds it: the file is created then."""
     import torch.distributed as dist
 
-    from ray_app import data
+    from ray_app.shared import data
 
     train, eval_set, info = getattr(data, name)(**args)
     first = not once or not os.path.exists(once)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_app import worker
+from ray_app.worker import entry as worker
 
 
 def worker_without_ray(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runtime_class: type) -> Path:

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from ray_app.catalog import MANIFEST, checkpoint_dir_name, list_checkpoints, manifest_format, newest_committed_config, newest_verified, verify
-from ray_app.checkpoint import (
+from ray_app.shared.catalog import MANIFEST, checkpoint_dir_name, list_checkpoints, manifest_format, newest_committed_config, newest_verified, verify
+from ray_app.shared.errors import CheckpointError, StorageError
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.checkpoint import (
     Checkpointer,
     CheckpointPayload,
     capture_rng_state,
@@ -28,8 +30,6 @@ from ray_app.checkpoint import (
     write_checkpoint_dir,
     write_manifest,
 )
-from ray_app.errors import CheckpointError, StorageError
-from ray_app.storage import LocalStorage
 from tests.support.checkpoints import save_tiny_shards
 from tests.support.checkpoints import tiny_payload as checkpoint_payload
 
@@ -161,7 +161,7 @@ def test_the_format_check_holds_under_python_optimize(storage):
     """``python -O`` drops asserts: the format check is not one."""
     rel = commit(storage, 3)
     _rewrite_format(storage, rel, "ray_app.checkpoint/9")
-    code = ("import sys; from ray_app.catalog import verify; from ray_app.storage import LocalStorage; "
+    code = ("import sys; from ray_app.shared.catalog import verify; from ray_app.shared.storage import LocalStorage; "
             f"v = verify(LocalStorage({str(storage.root)!r}), {rel!r}); print(v.ok, v.reason)")
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
@@ -429,7 +429,7 @@ def test_a_restore_reads_every_byte_of_the_checkpoint_once(storage):
 @pytest.mark.timeout(60)
 def test_a_restore_from_s3_fetches_every_byte_of_the_checkpoint_once(s3, tmp_path, monkeypatch):
     """The same on a real S3 API server: every GET's body size counted as the server sends it."""
-    from ray_app.storage import S3Storage
+    from ray_app.shared.storage import S3Storage
 
     for key, value in s3.env().items():
         if key.startswith("AWS_"):
@@ -467,8 +467,8 @@ def test_evaluation_and_export_read_the_model_state_and_config_once(storage):
 
 @pytest.mark.timeout(30)
 def test_committed_config_reads_only_the_manifest_and_the_config(storage, monkeypatch):
-    from ray_app import catalog
-    from ray_app import storage as storage_mod
+    from ray_app.shared import catalog
+    from ray_app.shared import storage as storage_mod
 
     rel = commit(storage, 10)
     made = []
@@ -540,7 +540,7 @@ def test_a_resume_from_checkpoint_that_does_not_load_is_an_error_not_a_fresh_sta
 def test_eval_and_export_of_a_run_take_its_newest_checkpoint_that_loads(storage):
     """A run URI whose newest checkpoint is damaged (a changed byte in model.pt, its manifest intact): the
     newest that loads, with a warning; the damaged one named by its URI is bad input."""
-    from ray_app.checkpoint import load_named_or_newest
+    from ray_app.worker.checkpoint import load_named_or_newest
 
     old = commit(storage, 10, seed=1)
     new = commit(storage, 20, seed=2)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_app.checkpoint import write_checkpoint_dir
+from ray_app.worker.checkpoint import write_checkpoint_dir
 from tests.support.checkpoints import tiny_payload, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ def _commands() -> set[str]:
     """Every command of the parser: `train`, `checkpoints list`, `config schema`, ..."""
     import argparse
 
-    from ray_app.cli import build_parser
+    from ray_app.driver.cli import build_parser
 
     def subcommands(parser) -> dict:
         return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
@@ -167,7 +167,7 @@ def test_readme_command_line_lists_every_command():
 
 
 def test_config_keys_lists_every_key_with_its_default(run_cli):
-    from ray_app.config_reference import describe_keys, format_default, keys_markdown
+    from ray_app.driver.config_reference import describe_keys, format_default, keys_markdown
 
     rc, out, err = run_cli(["config", "keys"], timeout=60)
     assert rc == 0, err
@@ -333,8 +333,8 @@ def waited_then_one_error_line(stderr: str) -> str:
 
 
 def test_the_commands_retry_budget_defaults_to_failure_storage_retry_s():
-    from ray_app.cli import RETRY_DEFAULT_S
-    from ray_app.config import FailureSection
+    from ray_app.driver.cli import RETRY_DEFAULT_S
+    from ray_app.shared.config import FailureSection
 
     assert RETRY_DEFAULT_S == FailureSection().storage_retry_s
 
@@ -350,7 +350,7 @@ def _main_in_process(args: list[str], env: dict, monkeypatch, capsys) -> tuple[i
     """``ray-app ARGS`` in this process (torch is imported already: seconds less than a subprocess)."""
     import signal
 
-    from ray_app import cli
+    from ray_app.driver import cli
 
     for key, value in env.items():
         if value is None:

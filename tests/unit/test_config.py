@@ -11,9 +11,9 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from ray_app.config import Config, load_config, parse_override
-from ray_app.config_reference import describe_keys, format_default, keys_markdown, sections
-from ray_app.errors import ConfigError
+from ray_app.driver.config_reference import describe_keys, format_default, keys_markdown, sections
+from ray_app.shared.config import Config, load_config, parse_override
+from ray_app.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -22,7 +22,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 def test_every_default_is_a_value_its_key_accepts():
     """A run without a config file uses the defaults as they are (load_config checks only what a file or --set
     gives), so each must pass its own key's checks (type, bounds, choices), as if a file had given it."""
-    from ray_app.config import config_from_dict
+    from ray_app.shared.config import config_from_dict
 
     defaults = Config()
     assert config_from_dict(defaults.to_dict()) == defaults  # every key through the checks a file's values get
@@ -246,7 +246,7 @@ def test_gpu_needs_positive_gpus_per_worker():
 
 
 def test_to_dict_round_trips():
-    from ray_app.config import config_from_dict
+    from ray_app.shared.config import config_from_dict
 
     cfg = load_config(None, ["train.epochs=4", "run.name=x"])
     assert config_from_dict(cfg.to_dict()) == cfg
@@ -342,7 +342,7 @@ def test_set_whole_args_replaces_them(tmp_path):
     assert load_config(f, ["model.args={}"]).model.args == {}
     assert load_config(f, ["model.args={width: 8}"]).model.args == {"width": 8}
     assert load_config(f, ["model.args={width: 8}", "model.args.depth=2"]).model.args == {"width": 8, "depth": 2}
-    from ray_app.config import config_from_dict
+    from ray_app.shared.config import config_from_dict
 
     saved = load_config(f, []).to_dict()
     assert config_from_dict(saved, ["model.args={}"]).model.args == {}
@@ -386,7 +386,7 @@ def test_old_data_keys_are_unknown_in_new_configs():
 
 def test_config_from_dict_migrates_old_data_keys():
     """A checkpoint saved before data.args: its data.num_samples / image_size become the factory's args."""
-    from ray_app.config import config_from_dict
+    from ray_app.shared.config import config_from_dict
 
     old = Config().to_dict()
     old["data"] = {k: v for k, v in old["data"].items() if k != "args"}
@@ -403,7 +403,7 @@ def test_config_from_dict_migrates_old_data_keys():
 
 
 def test_config_from_dict_applies_overrides_over_the_saved_args():
-    from ray_app.config import config_from_dict
+    from ray_app.shared.config import config_from_dict
 
     saved = load_config(None, ["model.args.width=8", "model.args.dropout=0.2"]).to_dict()
     cfg = config_from_dict(saved, ["model.args.width=4", "scaling.num_workers=1"])
@@ -425,7 +425,7 @@ def test_config_from_dict_applies_overrides_over_the_saved_args():
     ("train.optimizer=adamw", "train.optimizer"),
 ])
 def test_resume_conflicts_name_what_the_checkpoint_depends_on(change, key):
-    from ray_app.config import RESUME_MUST_MATCH, resume_conflicts
+    from ray_app.shared.config import RESUME_MUST_MATCH, resume_conflicts
 
     assert key in RESUME_MUST_MATCH
     saved = load_config(None, []).to_dict()
@@ -435,7 +435,7 @@ def test_resume_conflicts_name_what_the_checkpoint_depends_on(change, key):
 
 
 def test_resume_conflicts_ignore_what_may_change_on_resume():
-    from ray_app.config import resume_conflicts
+    from ray_app.shared.config import resume_conflicts
 
     saved = load_config(None, []).to_dict()
     changed = load_config(None, ["train.epochs=50", "train.lr=0.3", "train.max_steps=7", "train.warmup_epochs=2",
@@ -449,7 +449,7 @@ def test_resume_conflicts_ignore_what_may_change_on_resume():
 
 def test_resume_conflicts_read_old_checkpoints_configs():
     """A checkpoint saved before data.args / task: its data.num_samples is the same run as data.args.num_samples."""
-    from ray_app.config import resume_conflicts
+    from ray_app.shared.config import resume_conflicts
 
     now = load_config(None, ["data.name=synthetic", "data.args.num_samples=100", "data.args.image_size=16"])
     old = now.to_dict()
@@ -464,7 +464,7 @@ def test_resume_conflicts_read_old_checkpoints_configs():
 @dataclasses.dataclass
 class _SectionWithModernAnnotations:
     """A section as a later field may be written: a parametrized dict, an optional int (string annotations:
-    this module has ``from __future__ import annotations`` as ray_app.config has)."""
+    this module has ``from __future__ import annotations`` as ray_app.shared.config has)."""
 
     name: str = "x"
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -474,7 +474,7 @@ class _SectionWithModernAnnotations:
 
 @pytest.mark.timeout(30)
 def test_config_keys_are_typed_by_their_resolved_annotations_not_their_text():
-    from ray_app import config
+    from ray_app.shared import config
 
     cfg = Config()
     cfg.task = _SectionWithModernAnnotations()

@@ -9,9 +9,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from ray_app.config import load_config, parse_yaml
-from ray_app.config_reference import config_schema, describe_keys, schema_json
-from ray_app.errors import ConfigError
+from ray_app.driver.config_reference import config_schema, describe_keys, schema_json
+from ray_app.shared.config import load_config, parse_yaml
+from ray_app.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = REPO / "configs" / "schema.json"

@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from ray_app import data
-from ray_app.config import load_config
-from ray_app.errors import ConfigError
-from ray_app.plugins import build_data, validate, validate_local_data
+from ray_app.shared import data
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError
+from ray_app.shared.plugins import build_data, validate, validate_local_data
 
 
 def build_datasets(*overrides):

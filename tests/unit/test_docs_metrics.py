@@ -1,5 +1,5 @@
 """The metrics tables of README.md and docs/metrics.md are the exporter's
-contract, ray_app/metrics.py's METRICS (name -> type, help) and METRIC_LABELS,
+contract, ray_app/worker/metrics.py's METRICS (name -> type, help) and METRIC_LABELS,
 checked the way test_config.py checks the README's config table: every row
 of the table is read (a malformed one fails, none is skipped), no metric has
 two rows, none is missing or extra, and the rows follow the code's order."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_app.metrics import METRIC_LABELS, METRICS
+from ray_app.worker.metrics import METRIC_LABELS, METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 README_HEADER = "| metric | type | labels | meaning |"
@@ -65,13 +65,13 @@ def docs_rows(path: Path = REPO / "docs" / "metrics.md") -> dict[str, tuple[str,
 def check_against_the_code(documented: dict[str, tuple[str, str]], where: str, fix: str) -> None:
     """``documented``: {metric: (type, labels as written)}; labels compared as the tuple METRIC_LABELS gives."""
     missing = [name for name in METRICS if name not in documented]
-    assert sorted(documented.keys() - METRICS.keys()) == [], f"{where} lists metrics ray_app/metrics.py does not have"
-    assert missing == [], f"{where} lacks metrics of ray_app/metrics.py: {missing}; {fix}"
+    assert sorted(documented.keys() - METRICS.keys()) == [], f"{where} lists metrics ray_app/worker/metrics.py does not have"
+    assert missing == [], f"{where} lacks metrics of ray_app/worker/metrics.py: {missing}; {fix}"
     for name, (kind, labels) in documented.items():
         assert kind == METRICS[name][0], f"{where}: {name} is a {METRICS[name][0]} in the code, not a {kind}"
         written = tuple(x.strip() for x in labels.split(",")) if labels not in ("", "-") else ()
         assert written == METRIC_LABELS.get(name, ()), f"{where}: {name}'s labels are {METRIC_LABELS.get(name, ())} in the code"
-    assert list(documented) == list(METRICS), f"{where}: rows out of the order of ray_app/metrics.py's METRICS"
+    assert list(documented) == list(METRICS), f"{where}: rows out of the order of ray_app/worker/metrics.py's METRICS"
 
 
 def test_readme_metrics_table_is_the_contract():

@@ -13,11 +13,8 @@ import uuid
 import pytest
 import torch
 
-from ray_app import driver
-from ray_app import worker as worker_side
-from ray_app.catalog import checkpoint_dir_name
-from ray_app.config import load_config
-from ray_app.driver import (
+from ray_app.driver import launcher as driver
+from ray_app.driver.launcher import (
     LEAN_DROPPED_CALLBACKS,
     build_trainer,
     lean_trainer_class,
@@ -25,8 +22,11 @@ from ray_app.driver import (
     raise_worker_failure,
     validate_before_ray,
 )
-from ray_app.errors import ConfigError, PluginError, TrainingFailed, UserCodeError, UserError
-from ray_app.worker import worker_main
+from ray_app.shared.catalog import checkpoint_dir_name
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError, PluginError, TrainingFailed, UserCodeError, UserError
+from ray_app.worker import entry as worker_side
+from ray_app.worker.entry import worker_main
 from tests.support.checkpoints import write_checkpoint
 from tests.support.stand_ins import assert_stands_in_for
 from tests.support.worker import worker_without_ray
@@ -56,7 +56,7 @@ def test_ray_trains_controller_unpickles_no_torch(tmp_path):
     from ray import cloudpickle
     from ray.train import FailureConfig
 
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
 
     trainer = _trainer(load_config(None, [f"run.storage={tmp_path}"]), storage_path=str(tmp_path))
     sent = tmp_path / "controller.pkl"
@@ -112,7 +112,7 @@ def test_min_workers_makes_the_worker_group_elastic(tmp_path):
 
 def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
     """The lean trainer hands Ray's controller a KitFailurePolicy built from the run's FailureConfig."""
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
 
     lean = lean_trainer_class()
     base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
@@ -125,7 +125,7 @@ def test_kit_trainer_runs_with_the_kit_failure_policy(monkeypatch, tmp_path):
     assert trainer._initialize_and_run_controller(failure_policy="ray's default", other=1) == "result"
     assert isinstance(seen["failure_policy"], KitFailurePolicy) and seen["other"] == 1
     assert seen["failure_policy"].failure_config.max_failures == 5
-    # it knows where this launch's hang reports are (ray_app.hang), after the trip to the controller too
+    # it knows where this launch's hang reports are (ray_app.shared.reports), after the trip to the controller too
     import pickle
 
     reports = pickle.loads(pickle.dumps(seen["failure_policy"])).hang_reports
@@ -324,7 +324,7 @@ def test_resume_from_needs_the_same_model(tmp_path, clean_path):
 
 @pytest.mark.timeout(60)
 def test_the_drivers_resume_from_check_reads_only_the_manifest_and_the_config(tmp_path, clean_path, monkeypatch):
-    from ray_app import storage as storage_mod
+    from ray_app.shared import storage as storage_mod
     from tests.unit.test_checkpoint import CountingStorage
 
     runs = tmp_path / "runs"
@@ -372,7 +372,7 @@ def test_the_fake_ray_train_takes_its_calls_as_ray_train_does():
 
 
 def test_every_rank_reports_the_writers_checkpoint_name_to_ray(tmp_path):
-    from ray_app.storage import LocalStorage
+    from ray_app.shared.storage import LocalStorage
 
     train = FakeRayTrain()
     rt = object.__new__(worker_side.RayRuntime)  # without Ray: what __init__ would read from ray.train
@@ -472,8 +472,8 @@ def test_a_failure_outside_user_code_is_raised_as_it_is(worker):
     (RuntimeError("the kit's own failure (no user frame)"), True),  # after the notice to leave
 ])
 def test_a_rank_that_lost_its_peer_is_a_peer_lost_left_out_of_rays_log(worker, monkeypatch, raised, leaving):
-    from ray_app import preemption
-    from ray_app.errors import PeerLost
+    from ray_app.shared.errors import PeerLost
+    from ray_app.worker import preemption
 
     def prepare_model(self, model, bucket_cap_mb=25):
         raise raised
@@ -509,7 +509,7 @@ def test_a_run_is_checked_without_importing_torch(tmp_path):
 
     cfg = load_config(None, [f"run.storage={tmp_path}"])
     write_checkpoint(tmp_path / cfg.run.name, 5, config=cfg.to_dict())
-    code = ("import sys; from ray_app.config import load_config; from ray_app.driver import preflight_run; "
+    code = ("import sys; from ray_app.shared.config import load_config; from ray_app.driver.launcher import preflight_run; "
             f"preflight_run(load_config(None, ['run.storage={tmp_path}'])); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -525,7 +525,7 @@ def test_an_elastic_group_that_did_not_start_is_asked_for_one_fewer_until_the_vi
     from ray.train.v2._internal.execution.scaling_policy import ResizeDecision, create_scaling_policy
     from ray.train.v2.api.exceptions import ControllerError
 
-    from ray_app.scaling_policy import FewerAfterStartTimeout
+    from ray_app.controller.scaling_policy import FewerAfterStartTimeout
 
     lean = lean_trainer_class()
     base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))
@@ -576,7 +576,7 @@ def test_the_driver_waits_for_the_workers_last_lines_before_shutting_ray_down():
 
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    from ray_app.driver import WorkerLogs
+    from ray_app.driver.launcher import WorkerLogs
 
     logs = WorkerLogs()
     arrived = []

@@ -11,9 +11,10 @@ import sys
 import psutil
 import pytest
 
-from ray_app import driver, ray_seam
-from ray_app.config import Config
-from ray_app.metrics import ADVERTISE_HOST_ENV, BIND_ENV, PrometheusMetrics, advertised_host
+from ray_app.driver import launcher as driver
+from ray_app.shared import ray_seam
+from ray_app.shared.config import Config
+from ray_app.worker.metrics import ADVERTISE_HOST_ENV, BIND_ENV, PrometheusMetrics, advertised_host
 from tests.support.stand_ins import assert_stands_in_for
 
 
@@ -113,8 +114,9 @@ def test_the_announced_target_is_the_bound_address_unless_set(monkeypatch):
 
 LOCAL_RAY_PROCESSES = """
 import json, psutil, ray
-from ray_app import driver, ray_seam
-from ray_app.config import Config
+from ray_app.driver import launcher as driver
+from ray_app.shared import ray_seam
+from ray_app.shared.config import Config
 driver.init_ray(Config())
 procs = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
 answer = ray.get(ray.remote(lambda: 41).remote()) + 1

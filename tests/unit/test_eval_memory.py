@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 
-from ray_app.checkpoint import Checkpointer
-from ray_app.config import load_config
-from ray_app.loop import Trainer
-from ray_app.parts import build_parts
-from ray_app.storage import LocalStorage
+from ray_app.shared.config import load_config
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.checkpoint import Checkpointer
+from ray_app.worker.loop import Trainer
+from ray_app.worker.parts import build_parts
 from tests.unit.test_loop_ddp import FakeRuntime, RecordingMetrics, _finish, _init, _load_ranks, _spawn
 
 SIZES = (10**5, 10**6)

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from ray_app import failures
-from ray_app.errors import (
+from ray_app.shared import failures
+from ray_app.shared.errors import (
     ConfigError,
     Diverged,
     PeerLost,
@@ -25,7 +25,7 @@ from ray_app.errors import (
     UserCodeError,
     UserError,
 )
-from ray_app.storage import LocalStorage
+from ray_app.shared.storage import LocalStorage
 
 
 class _GroupError(Exception):

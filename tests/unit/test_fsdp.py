@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ray_app import catalog
-from ray_app.checkpoint import Checkpointer, load_named_or_newest
-from ray_app.config import load_config
-from ray_app.loop import Trainer
-from ray_app.metrics import NullMetrics
-from ray_app.parts import build_parts
-from ray_app.storage import LocalStorage
+from ray_app.shared import catalog
+from ray_app.shared.config import load_config
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.checkpoint import Checkpointer, load_named_or_newest
+from ray_app.worker.loop import Trainer
+from ray_app.worker.metrics import NullMetrics
+from ray_app.worker.parts import build_parts
 from tests.support.evaluation import default_model_eval
 from tests.unit.test_loop_ddp import ACCUM2, BASE, NO_CKPT, FakeRuntime, RecordingMetrics, SimulatedCrash, _finish, _init, _spawn
 
@@ -121,7 +121,7 @@ def _single_file_into_fsdp(rank: int, world: int, storage: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from ray_app.strategy import FULL, fully_shard_model
+    from ray_app.worker.strategy import FULL, fully_shard_model
     from tests.support.checkpoints import write_checkpoint
 
     if rank == 0:
@@ -233,7 +233,7 @@ def test_an_fsdp_run_stopped_at_2_workers_resumes_at_3_and_one_stopped_at_3_at_2
 
 
 def test_export_is_the_unsharded_parameters_and_evaluation_at_1_2_3_workers_equals_it(fsdp_runs, tmp_path):
-    from ray_app.cli import main
+    from ray_app.driver.cli import main
 
     out = tmp_path / "model.pt"
     assert main(["checkpoints", "export", f"{fsdp_runs['root']}/fsdp-mid", "--out", str(out)]) == 0
@@ -283,7 +283,7 @@ def _reset_peak() -> None:
 
 
 def _memory_worker(rank: int, world: int, port: int, out: str, strategy: str) -> None:
-    from ray_app.strategy import fully_shard_model
+    from ray_app.worker.strategy import fully_shard_model
 
     _init(rank, world, port)
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def _norm_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ray_app.strategy import grad_norm
+    from ray_app.worker.strategy import grad_norm
 
     _init(rank, world, port)
     torch.manual_seed(3)
@@ -406,7 +406,7 @@ def _scalar_batches(rank: int) -> list[torch.Tensor]:
 
 
 def _scalar_worker(rank: int, world: int, port: int, out: str) -> None:
-    from ray_app.strategy import fully_shard_model, grad_norm, no_sync
+    from ray_app.worker.strategy import fully_shard_model, grad_norm, no_sync
     from tests.support.unsharded_model import ScalarNet
 
     _init(rank, world, port)
@@ -451,8 +451,8 @@ def test_a_share_that_does_not_fit_in_shared_memory_is_refused_before_any_buffer
     (a tmpfs that fills while a buffer is written would kill the worker with SIGBUS)."""
     import os
 
-    from ray_app import sharded
-    from ray_app.errors import ConfigError
+    from ray_app.shared.errors import ConfigError
+    from ray_app.worker import sharded
 
     model = {"w": torch.zeros(1000, 10), "b": torch.zeros(10, dtype=torch.float64)}
     optim = {"state": {"w": {"exp_avg": torch.zeros(1000, 10), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1.0}]}
@@ -493,7 +493,7 @@ class _MoE(torch.nn.Module):
 
 
 def _nested_worker(rank: int, world: int, port: int, out: str) -> None:
-    from ray_app.strategy import fully_shard_model
+    from ray_app.worker.strategy import fully_shard_model
 
     _init(rank, world, port)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
@@ -513,8 +513,8 @@ def test_a_model_with_modulelists_inside_its_blocks_shards_and_trains(port_picke
     innermost first: a block holding a ModuleList (experts) shards under the default units
     (the outermost ModuleList's blocks) and with a block's class and its children's classes named, and the
     gradients equal the unsharded model's (sharding a block before the modules inside it fails in FSDP)."""
-    from ray_app.errors import ConfigError
-    from ray_app.strategy import shard_units
+    from ray_app.shared.errors import ConfigError
+    from ray_app.worker.strategy import shard_units
 
     assert [type(u).__name__ for u in shard_units(_MoE(), "")] == ["_Experts", "_Experts"]
     # nanoGPT's shape: a ModuleDict namespace holding the embedding (tied to the head) and a ModuleList of
@@ -558,8 +558,8 @@ def test_a_unit_of_two_dtypes_is_one_config_error_before_any_module_changes():
     before the mesh or any unit is made (no process group needed here)."""
     from torch import nn
 
-    from ray_app.errors import ConfigError
-    from ray_app.strategy import fully_shard_model
+    from ray_app.shared.errors import ConfigError
+    from ray_app.worker.strategy import fully_shard_model
 
     class Block(nn.Module):
         def __init__(self, half=False):
@@ -590,7 +590,7 @@ def test_a_unit_of_two_dtypes_is_one_config_error_before_any_module_changes():
         fully_shard_model(refused, cpu, 2)
     assert not any(hasattr(m, "set_requires_gradient_sync") for m in refused.modules())  # nothing sharded
     # the fix the line names: the other dtype's module a unit of its own
-    from ray_app.strategy import check_shardable, shard_units
+    from ray_app.worker.strategy import check_shardable, shard_units
 
     fine = Net(half=True)
     check_shardable(fine, shard_units(fine, "Block,Linear"), "Block,Linear")

@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_app import hang
-from ray_app.collectives import COUNTER, CollectiveCounter, Position
-from ray_app.storage import LocalStorage
+from ray_app.controller import hang_verdict
+from ray_app.shared import reports as stored
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker import watchdog as rank_watchdog
+from ray_app.worker.collectives import COUNTER, CollectiveCounter, Position
 from tests.support.ports import free_port
 
 HANG_TIMEOUT_S = 5.0  # the collectives' timeout in the spawned groups: the report comes 2 s before it
@@ -36,8 +38,8 @@ def _init(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
 
 def _counted_collectives(rank: int, world: int, port: int, out: str) -> None:
     """The kit's collectives, as the loop calls them; each rank writes the positions it went through."""
-    from ray_app.ddp import ExactSums, assert_identical_parameters, gather_eval_rows, global_mean
-    from ray_app.preemption import Agreement
+    from ray_app.worker.ddp import ExactSums, assert_identical_parameters, gather_eval_rows, global_mean
+    from ray_app.worker.preemption import Agreement
 
     _init(rank, world, port)
     COUNTER.reset()
@@ -74,11 +76,11 @@ def _same_model() -> torch.nn.Module:
 def _hung_rank(rank: int, world: int, port: int, folder: str) -> None:
     """Rank 0 waits in the global loss's all-reduce; rank 1 stops itself (SIGSTOP) before it; rank 2 is
     stuck in its own code (a sleep) and never calls it."""
-    from ray_app.ddp import global_mean
+    from ray_app.worker.ddp import global_mean
 
     _init(rank, world, port, timeout_s=HANG_TIMEOUT_S)
     storage = LocalStorage(folder)
-    watchdog = hang.start_watchdog(storage, "run", "20260101T000000Z", HANG_TIMEOUT_S, rank, world)
+    watchdog = rank_watchdog.start_watchdog(storage, "run", "20260101T000000Z", HANG_TIMEOUT_S, rank, world)
     COUNTER.enter("gradient all-reduce (backward)", step=57)  # a step's collectives, all ranks alike
     COUNTER.leave()
     if rank == 1:
@@ -157,11 +159,11 @@ def test_a_stopped_rank_and_a_stuck_one_are_named_and_the_waiting_ranks_stacks_a
                 os.kill(p.pid, signal.SIGKILL)
             p.join(10)
     assert sorted(f.name for f in folder.iterdir()) == ["rank-0.json", "rank-0.txt", "rank-2.json", "rank-2.txt"]
-    reports = hang.read_reports(LocalStorage(str(tmp_path)), "run/reports/20260101T000000Z-attempt-1")
+    reports = stored.read_reports(LocalStorage(str(tmp_path)), "run/reports/20260101T000000Z-attempt-1")
     waiting, stuck = reports
     # the waiting rank wrote a little before the collective's timeout, from inside it
     assert (waiting.rank, waiting.seq, waiting.name, waiting.step, waiting.inside) == (0, 3, "global loss (all_reduce)", 57, True)
-    assert hang.fire_after(HANG_TIMEOUT_S) <= waiting.waited_s < HANG_TIMEOUT_S, waiting.waited_s
+    assert stored.fire_after(HANG_TIMEOUT_S) <= waiting.waited_s < HANG_TIMEOUT_S, waiting.waited_s
     assert waiting.stacks.startswith('Thread "MainThread" (id ') and ", entered the collective)" in waiting.stacks
     assert "in global_sum_and_count" in waiting.stacks
     assert 'Thread "ray-app-hang-watchdog"' in waiting.stacks  # every thread, the watchdog's own included
@@ -170,7 +172,7 @@ def test_a_stopped_rank_and_a_stuck_one_are_named_and_the_waiting_ranks_stacks_a
     assert "in _users_own_code_that_never_returns" in stuck.stacks
     assert (folder / "rank-2.txt").read_text() == stuck.stacks
 
-    found = hang.verdict(reports)
+    found = hang_verdict.verdict(reports)
     assert (found.missing, [r.rank for r in found.behind], found.waiting) == ([1], [2], [0])
     host = waiting.hosts[1]
     line = found.line("/x/reports/a/")
@@ -181,28 +183,28 @@ def test_a_stopped_rank_and_a_stuck_one_are_named_and_the_waiting_ranks_stacks_a
 
 
 def _report(rank: int, seq: int, inside: bool, name: str = "global loss (all_reduce)", step: int = 8,
-            world: int = 4) -> hang.RankReport:
-    return hang.RankReport(rank=rank, world_size=world, hosts=[f"h{k}" for k in range(world)], seq=seq, name=name,
+            world: int = 4) -> stored.RankReport:
+    return stored.RankReport(rank=rank, world_size=world, hosts=[f"h{k}" for k in range(world)], seq=seq, name=name,
                            step=step, inside=inside, waited_s=12.0, why="test")
 
 
 def test_the_verdict_names_the_ranks_that_did_not_reach_the_collective_the_others_wait_in():
-    found = hang.verdict([_report(0, 9, True), _report(2, 9, True), _report(3, 9, True)])
+    found = hang_verdict.verdict([_report(0, 9, True), _report(2, 9, True), _report(3, 9, True)])
     assert found.absent == [1]
     assert found.line("s3://b/r/reports/x/") == ("hang: rank 1 (host h1; no report: stopped or gone) did not reach "
                                                  "global loss (all_reduce) #9 at step 8 that ranks 0,2,3 wait in; "
                                                  "stacks in s3://b/r/reports/x/")
     # a rank inside an earlier collective is behind too (it waits for something the others never call)
-    found = hang.verdict([_report(0, 9, True), _report(1, 8, True, "eval sums (all_reduce)"), _report(2, 9, True)])
+    found = hang_verdict.verdict([_report(0, 9, True), _report(1, 8, True, "eval sums (all_reduce)"), _report(2, 9, True)])
     assert found.absent == [1, 3] and found.waiting == [0, 2]
     assert "rank 1 (host h1; in eval sums (all_reduce) #8 at step 8)" in found.line("w")
     # every rank inside the same collective: none is missing, the collective itself did not return
-    everyone = hang.verdict([_report(r, 9, True) for r in range(4)])
+    everyone = hang_verdict.verdict([_report(r, 9, True) for r in range(4)])
     assert everyone.absent == [] and "every rank waits in global loss (all_reduce) #9" in everyone.line("w")
     # a rank already past it (it returned on that rank) is not blamed
-    assert hang.verdict([_report(0, 9, True), _report(1, 9, False), _report(2, 9, True), _report(3, 9, True)]).absent == []
-    assert hang.verdict([_report(0, 0, False)]).line("w").startswith("hang: no rank waits in a collective")
-    assert hang.verdict([]) is None
+    assert hang_verdict.verdict([_report(0, 9, True), _report(1, 9, False), _report(2, 9, True), _report(3, 9, True)]).absent == []
+    assert hang_verdict.verdict([_report(0, 0, False)]).line("w").startswith("hang: no rank waits in a collective")
+    assert hang_verdict.verdict([]) is None
 
 
 class Clock:
@@ -216,7 +218,7 @@ class Clock:
 def test_the_watchdog_fires_inside_one_collective_for_too_long_and_asks_others_only_when_stale():
     clock, counter, asked = Clock(), CollectiveCounter(), []
     counter.position = Position(seq=4, name="global loss (all_reduce)", step=3, inside=True, since=clock.now)
-    dog = hang.Watchdog(counter, after_s=8.0, write=None, others_reported=lambda: asked.append(clock.now) or True,
+    dog = rank_watchdog.Watchdog(counter, after_s=8.0, write=None, others_reported=lambda: asked.append(clock.now) or True,
                         ask_every_s=2.0, clock=clock)
     clock.now += 7.9
     assert dog.check() is None
@@ -231,7 +233,7 @@ def test_the_watchdog_fires_inside_one_collective_for_too_long_and_asks_others_o
     clock.now += 1.0
     dog.others_reported = lambda: False
     assert dog.check() is None and len(asked) == 1  # asked again only after ask_every_s
-    assert hang.fire_after(15) == 12 and hang.fire_after(300) == 270 and hang.fire_after(10) == 8
+    assert stored.fire_after(15) == 12 and stored.fire_after(300) == 270 and stored.fire_after(10) == 8
 
 
 def test_stacks_cover_every_thread_with_its_name():
@@ -243,7 +245,7 @@ def test_stacks_cover_every_thread_with_its_name():
     t = threading.Thread(target=waiting_for_the_release, name="a-waiting-thread")
     t.start()
     try:
-        text = hang.stacks_text(first=t.ident)
+        text = rank_watchdog.stacks_text(first=t.ident)
     finally:
         release.set()
         t.join()
@@ -258,13 +260,13 @@ def test_the_failure_policy_says_the_newest_attempts_verdict_once_before_the_res
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
 
     storage = LocalStorage(str(tmp_path))
     for attempt, seq in ((1, 5), (2, 9)):
         for rank in (0, 2, 3):
-            hang.write_report(storage, hang.attempt_folder("r", "20260101T000000Z", attempt), _report(rank, seq, True))
-    policy = KitFailurePolicy(FailureConfig(max_failures=5), hang_reports=hang.HangReports(str(tmp_path), "r", "20260101T000000Z"))
+            stored.write_report(storage, stored.attempt_folder("r", "20260101T000000Z", attempt), _report(rank, seq, True))
+    policy = KitFailurePolicy(FailureConfig(max_failures=5), hang_reports=hang_verdict.HangReports(str(tmp_path), "r", "20260101T000000Z"))
     lost = WorkerGroupError("x", {1: RuntimeError("the health check timed out")})
     assert policy.make_decision(lost) == FailureDecision.RETRY
     out = capsys.readouterr().out.splitlines()
@@ -283,18 +285,18 @@ def test_the_failure_policy_says_the_newest_attempts_verdict_once_before_the_res
 def test_reports_go_to_s3_and_the_line_names_the_folder_there(s3, monkeypatch):
     """Through the kit's storage on a real S3 API server (moto_server): each rank's two objects, read back
     by the failure policy's reader, and the line's folder is the s3:// URI."""
-    from ray_app.storage import S3Storage
+    from ray_app.shared.storage import S3Storage
 
     for key, value in s3.env().items():
         if key.startswith("AWS_"):
             monkeypatch.setenv(key, value)
     uri = f"s3://{s3.bucket}/hang-runs"
     storage = S3Storage(uri, retry_s=5)
-    folder = hang.attempt_folder("r", "20260101T000000Z", 1)
+    folder = stored.attempt_folder("r", "20260101T000000Z", 1)
     for rank in (0, 1, 3):
-        hang.write_report(storage, folder, _report(rank, 12, True, step=40))
+        stored.write_report(storage, folder, _report(rank, 12, True, step=40))
     assert sorted(storage.list_files(folder)) == [f"rank-{r}.{x}" for r in (0, 1, 3) for x in ("json", "txt")]
-    line = hang.HangReports(uri, "r", "20260101T000000Z").line()
+    line = hang_verdict.HangReports(uri, "r", "20260101T000000Z").line()
     assert line == ("hang: rank 2 (host h2; no report: stopped or gone) did not reach global loss (all_reduce) #12 at "
                     f"step 40 that ranks 0,1,3 wait in; stacks in {uri}/r/reports/20260101T000000Z-attempt-1/")
 
@@ -305,7 +307,7 @@ def test_with_nccl_a_stale_counter_reports_alone_and_the_verdict_reads_ranks_wai
     clock, counter = Clock(), CollectiveCounter()
     counter.position = Position(seq=7, name="gradient all-reduce (backward)", step=5, since=clock.now)
     written = []
-    dog = hang.Watchdog(counter, after_s=8.0, write=written.append, stale_alone=True, poll_s=0.01, clock=clock)
+    dog = rank_watchdog.Watchdog(counter, after_s=8.0, write=written.append, stale_alone=True, poll_s=0.01, clock=clock)
     clock.now += 9
     dog.start()
     try:
@@ -320,7 +322,7 @@ def test_with_nccl_a_stale_counter_reports_alone_and_the_verdict_reads_ranks_wai
         assert len(written) == 2 and "#8" in written[1]
     finally:
         dog.stop()
-    found = hang.verdict([_report(0, 9, False), _report(1, 9, False), _report(2, 8, False, "gradient all-reduce (backward)")])
+    found = hang_verdict.verdict([_report(0, 9, False), _report(1, 9, False), _report(2, 8, False, "gradient all-reduce (backward)")])
     assert found.queued and found.absent == [2, 3] and found.waiting == [0, 1]
     assert found.line("w") == ("hang: rank 2 (host h2; after gradient all-reduce (backward) #8 at step 8), rank 3 (host h3; "
                                "no report: stopped or gone) did not reach global loss (all_reduce) #9 at step 8 that ranks "
@@ -329,11 +331,11 @@ def test_with_nccl_a_stale_counter_reports_alone_and_the_verdict_reads_ranks_wai
 
 def test_reports_older_than_the_stall_that_failed_are_left_out(tmp_path):
     storage = LocalStorage(str(tmp_path))
-    folder = hang.attempt_folder("r", "20260101T000000Z", 1)
+    folder = stored.attempt_folder("r", "20260101T000000Z", 1)
     old = _report(0, 3, False)
     old.written_unix -= 3600  # a long evaluation an hour ago, no hang
-    hang.write_report(storage, folder, old)
-    assert hang.HangReports(str(tmp_path), "r", "20260101T000000Z", max_age_s=60).line() is None
+    stored.write_report(storage, folder, old)
+    assert hang_verdict.HangReports(str(tmp_path), "r", "20260101T000000Z", max_age_s=60).line() is None
 
 
 def test_a_failure_that_looks_like_a_hang_waits_for_reports_still_on_their_way(tmp_path, capsys):
@@ -344,10 +346,10 @@ def test_a_failure_that_looks_like_a_hang_waits_for_reports_still_on_their_way(t
     from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
 
     storage = LocalStorage(str(tmp_path))
-    reports = hang.HangReports(str(tmp_path), "r", "20260101T000000Z", wait_s=20)
+    reports = hang_verdict.HangReports(str(tmp_path), "r", "20260101T000000Z", wait_s=20)
     policy = KitFailurePolicy(FailureConfig(max_failures=5), hang_reports=reports)
     t0 = time.monotonic()
     policy.make_decision(WorkerGroupError("x", {1: RuntimeError("the actor died unexpectedly")}))
@@ -356,7 +358,7 @@ def test_a_failure_that_looks_like_a_hang_waits_for_reports_still_on_their_way(t
     def late_reports():  # the waiting ranks write one after the other
         time.sleep(1.5)
         for rank in (0, 2):
-            hang.write_report(storage, hang.attempt_folder("r", "20260101T000000Z", 1), _report(rank, 4, True, world=3))
+            stored.write_report(storage, stored.attempt_folder("r", "20260101T000000Z", 1), _report(rank, 4, True, world=3))
             time.sleep(0.5)
 
     writer = threading.Thread(target=late_reports)
@@ -369,4 +371,4 @@ def test_a_failure_that_looks_like_a_hang_waits_for_reports_still_on_their_way(t
     # read once their number settled: both waiting ranks, and only the stopped one named
     assert "ray-app: hang: rank 1 (host h1; no report: stopped or gone) did not reach global loss (all_reduce) #4 at " \
         "step 8 that ranks 0,2 wait in" in capsys.readouterr().out
-    assert hang.looks_hung({0: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")})
+    assert hang_verdict.looks_hung({0: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 15000ms for recv")})

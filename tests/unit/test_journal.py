@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ray_app import journal
-from ray_app.lease import RunLease, lease_store
-from ray_app.storage import LocalStorage
+from ray_app.shared import journal
+from ray_app.shared.lease import RunLease, lease_store
+from ray_app.shared.storage import LocalStorage
 
 
 class StalledStore:
@@ -139,8 +139,8 @@ def test_record_never_raises_and_one_writer_serves_a_run_per_process(tmp_path):
 
 def test_with_the_journal_off_no_process_writes_an_event(tmp_path, monkeypatch):
     """RAY_APP_JOURNAL=0 (the bench's "off" arm of case j): no writer in any process, rank 0 adds no sink."""
-    from ray_app.config import Config
-    from ray_app.worker import journal_sink
+    from ray_app.shared.config import Config
+    from ray_app.worker.entry import journal_sink
 
     storage = LocalStorage(str(tmp_path))
     monkeypatch.setenv(journal.OFF_ENV, "0")
@@ -213,7 +213,7 @@ def test_a_checkpoint_committed_before_its_blocked_time_is_known_is_one_event(tm
 
 
 def _cli(args, capsys):
-    from ray_app import cli
+    from ray_app.driver import cli
 
     capsys.readouterr()
     rc = cli.main(args)
@@ -297,8 +297,8 @@ def test_the_failure_policy_journals_each_restart_preemption_and_divergence_with
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from ray_app.errors import Diverged, Preempted
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
+    from ray_app.shared.errors import Diverged, Preempted
 
     sent = KitFailurePolicy(FailureConfig(max_failures=3), journal_of=(str(tmp_path), "r", "L1"))
     policy = cloudpickle.loads(cloudpickle.dumps(sent))
@@ -319,8 +319,8 @@ def test_the_failure_policy_journals_each_restart_preemption_and_divergence_with
 
 
 def test_the_driver_hands_the_policy_where_the_journal_is(monkeypatch, tmp_path):
-    from ray_app import driver
-    from ray_app.config import load_config
+    from ray_app.driver import launcher as driver
+    from ray_app.shared.config import load_config
 
     lean = driver.lean_trainer_class()
     base = next(c for c in lean.__mro__[1:] if "_initialize_and_run_controller" in vars(c))

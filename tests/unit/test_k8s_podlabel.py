@@ -1,4 +1,4 @@
-"""ray_app/podlabel.py: rank 0 labels its own pod for the PodMonitor.
+"""ray_app/worker/podlabel.py: rank 0 labels its own pod for the PodMonitor.
 
 A real HTTP server on 127.0.0.1 stands in for the Kubernetes API server and
 records what it receives."""
@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from ray_app import podlabel
+from ray_app.worker import podlabel
 
 TOKEN = "test-sa-token"
 NS = "ray-app"
@@ -183,7 +183,7 @@ def test_labels_own_pod_with_bearer_token_and_clears_the_former_rank0(sa_dir):
 
 def test_rbac_refusal_is_a_warning_not_an_exception(sa_dir, caplog):
     with FakeApiServer(cluster_pods(), fail_patch=403) as api:
-        with caplog.at_level("WARNING", logger="ray_app.podlabel"):
+        with caplog.at_level("WARNING", logger="ray_app.worker.podlabel"):
             assert podlabel.label_own_pod_as_metrics_target(env=pod_env(), sa_dir=sa_dir, api_base_url=api.url) is False
     assert "HTTPError" in caplog.text and "403" in caplog.text
     assert TOKEN not in caplog.text

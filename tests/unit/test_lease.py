@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ray_app.errors import RunHeld
-from ray_app.lease import LEASE_FILE, LocalLeaseFile, RunLease, held_run, lease_store
-from ray_app.storage import LocalStorage
+from ray_app.shared.errors import RunHeld
+from ray_app.shared.lease import LEASE_FILE, LocalLeaseFile, RunLease, held_run, lease_store
+from ray_app.shared.storage import LocalStorage
 
 
 def _lease(tmp_path, stale_s=30.0, said=None, clock=time.time, sleep=time.sleep):
@@ -115,8 +115,8 @@ def test_the_renewing_thread_keeps_a_long_run_held(tmp_path):
 
 HOLDER = """
 import sys, time
-from ray_app.lease import held_run
-from ray_app.storage import LocalStorage
+from ray_app.shared.lease import held_run
+from ray_app.shared.storage import LocalStorage
 with held_run(LocalStorage(sys.argv[1]), "run", stale_s=float(sys.argv[2])):
     print("held", flush=True)
     time.sleep(600)
@@ -181,9 +181,9 @@ def test_a_lease_whose_driver_is_gone_from_this_host_is_taken_over_at_once(tmp_p
 def test_workers_commit_no_checkpoint_once_another_driver_holds_the_run(tmp_path):
     """A driver killed without releasing its lease: once another driver has taken the run over, its
     orphaned workers' next checkpoint is not committed (the fence before the manifest raises RunHeld)."""
-    from ray_app.catalog import list_checkpoints, newest_verified
-    from ray_app.checkpoint import Checkpointer
-    from ray_app.lease import fence
+    from ray_app.shared.catalog import list_checkpoints, newest_verified
+    from ray_app.shared.lease import fence
+    from ray_app.worker.checkpoint import Checkpointer
     from tests.support.checkpoints import save_tiny_shards
 
     storage = LocalStorage(str(tmp_path))

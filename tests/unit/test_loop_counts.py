@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
-from ray_app.checkpoint import Checkpointer
-from ray_app.config import load_config
-from ray_app.errors import ConfigError
-from ray_app.loop import Trainer
-from ray_app.parts import build_parts
-from ray_app.progress import RunStats
-from ray_app.storage import LocalStorage
-from ray_app.tasks import Classification
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError
+from ray_app.shared.storage import LocalStorage
+from ray_app.shared.tasks import Classification
+from ray_app.worker.checkpoint import Checkpointer
+from ray_app.worker.loop import Trainer
+from ray_app.worker.parts import build_parts
+from ray_app.worker.progress import RunStats
 from tests.unit.test_loop_ddp import FakeRuntime, RecordingMetrics, _finish, _init, _load_ranks, _spawn
 
 N_TRAIN, N_EVAL, BATCH = 48, 13, 4
@@ -99,7 +99,7 @@ def _passes(task, world: int) -> float:
 
 
 def _counts_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
-    from ray_app import worker
+    from ray_app.worker import entry as worker
 
     _init(rank, world, port)
     results = {}

@@ -23,15 +23,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ray_app.catalog import newest_verified, verify
-from ray_app.checkpoint import Checkpointer, cleanup_local
-from ray_app.config import load_config
-from ray_app.ddp import ExactSums, ResumableDistributedSampler, assert_identical_parameters, gather_eval_rows, global_mean, lr_lambda
-from ray_app.loop import Trainer
-from ray_app.metrics import NullMetrics
-from ray_app.parts import Runtime, build_parts
-from ray_app.progress import MetricsSink
-from ray_app.storage import LocalStorage
+from ray_app.shared.catalog import newest_verified, verify
+from ray_app.shared.config import load_config
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.checkpoint import Checkpointer, cleanup_local
+from ray_app.worker.ddp import ExactSums, ResumableDistributedSampler, assert_identical_parameters, gather_eval_rows, global_mean, lr_lambda
+from ray_app.worker.loop import Trainer
+from ray_app.worker.metrics import NullMetrics
+from ray_app.worker.parts import Runtime, build_parts
+from ray_app.worker.progress import MetricsSink
 from tests.support.evaluation import accuracy_and_loss, default_model_eval
 from tests.support.stand_ins import assert_stands_in_for
 
@@ -343,10 +343,10 @@ def _protocol_methods(protocol) -> dict:
 
 
 @pytest.mark.parametrize("protocol, implementations", [
-    (Runtime, ("ray_app.worker:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
-    (MetricsSink, ("ray_app.metrics:NullMetrics", "ray_app.metrics:PrometheusMetrics",
-                   "ray_app.tracking:FanOutSink", "ray_app.tracking:MlflowSink", "ray_app.tracking:TensorBoardSink",
-                   "ray_app.journal:JournalSink",
+    (Runtime, ("ray_app.worker.entry:RayRuntime", "tests.unit.test_loop_ddp:FakeRuntime")),
+    (MetricsSink, ("ray_app.worker.metrics:NullMetrics", "ray_app.worker.metrics:PrometheusMetrics",
+                   "ray_app.worker.tracking:FanOutSink", "ray_app.worker.tracking:MlflowSink", "ray_app.worker.tracking:TensorBoardSink",
+                   "ray_app.shared.journal:JournalSink",
                    "tests.unit.test_loop_ddp:RecordingMetrics")),
 ], ids=["Runtime", "MetricsSink"])
 def test_real_objects_and_test_fakes_satisfy_the_loops_protocols(protocol, implementations):
@@ -624,7 +624,7 @@ def test_nested_batches_and_the_datas_collate_fn_reach_the_task(tmp_path, port_p
 def test_to_device_moves_every_tensor_of_any_structure():
     from collections import namedtuple
 
-    from ray_app.ddp import first_dim, to_device
+    from ray_app.worker.ddp import first_dim, to_device
 
     Pair = namedtuple("Pair", "a b")
     batch = {"x": torch.zeros(3, 2), "rest": [Pair(torch.ones(3), "label"), (torch.arange(3), 7)]}
@@ -650,7 +650,7 @@ class _RecordingLambdaLR(torch.optim.lr_scheduler.LambdaLR):
 
 @pytest.mark.timeout(30)
 def test_resumed_hyperparameters_are_set_through_public_attributes_only():
-    from ray_app.resume import apply_hyperparameters
+    from ray_app.worker.resume import apply_hyperparameters
 
     cfg = load_config(None, ["train.lr=0.2", "train.optimizer=sgd", "train.momentum=0.5", "train.weight_decay=0.01"])
     model = torch.nn.Linear(3, 2)

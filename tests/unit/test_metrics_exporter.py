@@ -21,8 +21,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from ray_app import __version__
-from ray_app.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRIC_LABELS, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
-from ray_app.pace import RankPace
+from ray_app.worker.metrics import ADVERTISE_HOST_ENV, LEGACY_EVAL_GAUGES, METRIC_LABELS, METRICS, SD_DIR_ENV, NullMetrics, PrometheusMetrics
+from ray_app.worker.pace import RankPace
 from tests.support.ports import free_port
 from tests.support.tools import promtool
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_app import models, plugins
-from ray_app.config import load_config
-from ray_app.errors import ConfigError, PluginError
-from ray_app.models import DigitsCNN, count_parameters
+from ray_app.shared import models, plugins
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError, PluginError
+from ray_app.shared.models import DigitsCNN, count_parameters
 
 DIGITS = {"num_classes": 10, "channels": 1, "image_size": 8}
 SMALL_RGB = {"num_classes": 7, "channels": 3, "image_size": 16}
@@ -113,7 +113,7 @@ def test_known_names_validate(name):
 def test_torchvision_names_read_from_its_sources_match_its_registry():
     import torchvision
 
-    from ray_app.modelnames import is_torchvision_classifier, torchvision_classifiers
+    from ray_app.shared.modelnames import is_torchvision_classifier, torchvision_classifiers
 
     registry = set(torchvision.models.list_models(module=torchvision.models))
     assert torchvision_classifiers() == registry

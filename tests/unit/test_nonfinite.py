@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_app.catalog import list_checkpoints
-from ray_app.checkpoint import Checkpointer, load_verified
-from ray_app.config import load_config
-from ray_app.errors import Diverged
-from ray_app.loop import Trainer
-from ray_app.parts import build_parts
-from ray_app.storage import LocalStorage
-from ray_app.tasks import Classification
+from ray_app.shared.catalog import list_checkpoints
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import Diverged
+from ray_app.shared.storage import LocalStorage
+from ray_app.shared.tasks import Classification
+from ray_app.worker.checkpoint import Checkpointer, load_verified
+from ray_app.worker.loop import Trainer
+from ray_app.worker.parts import build_parts
 from tests.unit.test_loop_counts import BATCH
 from tests.unit.test_loop_ddp import FakeRuntime, RecordingMetrics, _finish, _init, _load_ranks, _spawn
 

@@ -17,12 +17,12 @@ import socket
 import pytest
 import torch
 
-from ray_app.checkpoint import Checkpointer
-from ray_app.config import load_config
-from ray_app.loop import Trainer
-from ray_app.pace import RankPace, StragglerWatch, own_seconds, straggler_line
-from ray_app.parts import build_parts
-from ray_app.storage import LocalStorage
+from ray_app.shared.config import load_config
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.checkpoint import Checkpointer
+from ray_app.worker.loop import Trainer
+from ray_app.worker.pace import RankPace, StragglerWatch, own_seconds, straggler_line
+from ray_app.worker.parts import build_parts
 from tests.unit.test_loop_ddp import NO_CKPT, FakeRuntime, RecordingMetrics, _finish, _init, _load_ranks, _spawn
 
 # digits: 719 train samples per rank -> 23 batches of 32, 23 steps; log every 2 steps: 11 intervals

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_app import plugins, tasks
-from ray_app.config import load_config
-from ray_app.errors import ConfigError, PluginError, UserCodeError
-from ray_app.plugins import BUILTIN, build_data, build_model, build_task, validate
+from ray_app.shared import plugins, tasks
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError, PluginError, UserCodeError
+from ray_app.shared.plugins import BUILTIN, build_data, build_model, build_task, validate
 
 
 def cfg(*overrides: str):
@@ -248,7 +248,7 @@ def test_unknown_builtin_name(override, key):
 
 
 def test_builtins_validate_without_importing_torch():
-    code = ("import sys; from ray_app.config import load_config; from ray_app import plugins; "
+    code = ("import sys; from ray_app.shared.config import load_config; from ray_app import plugins; "
             "plugins.validate(load_config(None, [])); "
             "plugins.validate(load_config(None, ['data.name=synthetic', 'model.name=resnet18', 'model.args.dropout=0.1',"
             " 'task.name=regression'])); "
@@ -275,7 +275,7 @@ def test_regression_takes_the_batch_keys():
 
 
 def test_torchvision_params_match_the_real_function():
-    from ray_app.models import torchvision_classifier
+    from ray_app.shared.models import torchvision_classifier
 
     fixed = plugins.params("model", "resnet18")
     real = plugins.Params.of(functools.partial(torchvision_classifier, "resnet18"))
@@ -299,7 +299,7 @@ def _tiny_imagefolder(root):
 
 
 def test_builtin_data_channels_are_those_of_the_real_data_sets(tmp_path):
-    from ray_app import data
+    from ray_app.shared import data
 
     assert set(plugins.BUILTIN_DATA_CHANNELS) == set(BUILTIN["data"]) - {"shards"}  # shards: its manifest's info
     _tiny_cifar(tmp_path / "c")
@@ -547,12 +547,12 @@ def test_plugin_roots_are_the_users_package_or_a_builtins_file(plug):
     name = plug(MODEL, package=True)
     c = cfg(f"model.name={name}:Net", "data.name=synthetic")
     importlib.import_module(name)
-    import ray_app.data
+    import ray_app.shared.data
 
     roots = plugins.plugin_roots(c)
     pkg_dir = str(sys.modules[name.split(".")[0]].__file__).rsplit("/", 1)[0]
     assert pkg_dir in roots  # a helper module beside it in the package counts as the user's code
-    assert ray_app.data.__file__ in roots
+    assert ray_app.shared.data.__file__ in roots
     assert not any(r.endswith("plugins.py") or r.endswith("worker.py") or r.endswith("driver.py") or r.endswith("loop.py") for r in roots)
 
 
@@ -561,7 +561,7 @@ def test_plugin_roots_are_the_users_package_or_a_builtins_file(plug):
 def _policy(max_failures=3):
     from ray.train import FailureConfig
 
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
 
     return KitFailurePolicy(FailureConfig(max_failures=max_failures))
 

@@ -1,4 +1,4 @@
-"""The SIGTERM handler of ray_app.preemption: a notice while the loop trains, Ray's exit otherwise."""
+"""The SIGTERM handler of ray_app.worker.preemption: a notice while the loop trains, Ray's exit otherwise."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import ray
 
-from ray_app import preemption
+from ray_app.worker import preemption
 
 
 def deliver() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ray_app import ray_seam
+from ray_app.shared import ray_seam
 
 
 def test_every_assumption_of_the_seam_holds_against_the_installed_ray():
@@ -23,7 +23,7 @@ def test_a_missing_attribute_is_named_by_its_check(monkeypatch):
 
 
 def test_check_ray_lists_every_item_and_exits_0():
-    out = subprocess.run([sys.executable, "-m", "ray_app.ray_seam"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ray_app.shared.ray_seam"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"{len(ray_seam.ASSUMPTIONS)} of {len(ray_seam.ASSUMPTIONS)} assumptions hold" in out.stdout
     assert all(a.item in out.stdout for a in ray_seam.ASSUMPTIONS)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pyarrow.fs
 import pytest
 
-from ray_app import s3fs
-from ray_app.retry import transient
+from ray_app.shared import s3fs
+from ray_app.shared.retry import transient
 
 
 class Flaky:
@@ -101,7 +101,7 @@ def test_ray_trains_storage_context_set_up_waits_an_outage_out_within_the_budget
 
 @pytest.mark.timeout(30)
 def test_past_the_budget_the_set_up_ends_with_storage_unavailable(tmp_path):
-    from ray_app.errors import StorageUnavailable
+    from ray_app.shared.errors import StorageUnavailable
 
     fs = pyarrow.fs.PyFileSystem(handler_on(FlakyDirs(tmp_path, failures=10**6)))
     with pytest.raises(StorageUnavailable, match="failure.storage_retry_s|no answer"):

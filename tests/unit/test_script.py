@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from ray_app import script as kit
-from ray_app import worker
-from ray_app.catalog import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
-from ray_app.config import load_config
-from ray_app.errors import ConfigError, UserCodeError, UserError
-from ray_app.storage import LocalStorage
-from ray_app.worker import worker_main
+from ray_app.shared.catalog import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError, UserCodeError, UserError
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker import entry as worker
+from ray_app.worker.entry import worker_main
 from tests.support.stand_ins import assert_stands_in_for
 from tests.support.worker import worker_without_ray
 
@@ -297,7 +297,7 @@ def test_an_exception_in_the_script_becomes_a_user_code_error(script_worker, tmp
 def test_a_collective_whose_peer_is_gone_is_a_lost_peer_not_the_scripts_error(script_worker):
     """What a surviving rank's all-reduce raises when another rank was killed (torch 2's gloo message):
     a restart of the group, not a bug in the script to be retried once and then shown."""
-    from ray_app.errors import PeerLost
+    from ray_app.shared.errors import PeerLost
 
     with pytest.raises(PeerLost, match=r"^rank 0 lost a peer: RuntimeError: \[/pytorch/third_party/gloo"):
         script_worker("""

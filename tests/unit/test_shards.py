@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_app import cli, shards
-from ray_app.data import digits, synthetic
-from ray_app.errors import ShardError
-from ray_app.storage import LocalStorage, open_storage
+from ray_app.driver import cli
+from ray_app.shared import shards
+from ray_app.shared.data import digits, synthetic
+from ray_app.shared.errors import ShardError
+from ray_app.shared.storage import LocalStorage, open_storage
 
 SYNTHETIC = ["--set", "data.name=synthetic", "--set", "data.args.num_samples=160", "--set", "data.args.image_size=8"]
 

@@ -21,14 +21,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ray_app import shards
-from ray_app.config import load_config
-from ray_app.data import digits
-from ray_app.ddp import BlockEvalSampler, StreamedShardSampler
-from ray_app.errors import ShardError
-from ray_app.plugins import build_data
-from ray_app.resume import Position, reshard
-from ray_app.storage import LocalStorage
+from ray_app.shared import shards
+from ray_app.shared.config import load_config
+from ray_app.shared.data import digits
+from ray_app.shared.errors import ShardError
+from ray_app.shared.plugins import build_data
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.ddp import BlockEvalSampler, StreamedShardSampler
+from ray_app.worker.resume import Position, reshard
 from tests.unit.test_loop_ddp import BASE, NO_CKPT, _finish, _fit, _init, _load_ranks, _same_params, _spawn
 from tests.unit.test_shards import one_error_line, ray_app  # noqa: F401  (a fixture)
 
@@ -136,7 +136,7 @@ def test_a_stop_at_two_ranks_and_a_resume_at_three_read_the_rest_of_the_epoch_on
     assert repeats == (math.ceil(n / 2) * 2 - n) + (-(n - done) % 3)  # the padding of W=2, then of the rest at W=3
     # each of the 2 ranks' blocks is read by the 3 new ranks from where it stopped: the rest, in order
     assert order[done:] == [x for k in range(len(after[0])) for x in (m[k] for m in after)][:n - done]
-    # the loop's side: the checkpoint's position re-shards the rest (ray_app.resume.reshard)
+    # the loop's side: the checkpoint's position re-shards the rest (ray_app.worker.resume.reshard)
     cfg = load_config(None, ["data.batch_size=16"])
     sampler = StreamedShardSampler(ds, 3, 0, seed=0)
     sampler.set_epoch(1)
@@ -231,9 +231,9 @@ def test_the_cache_never_holds_more_than_prefetch_plus_one_shards(fine_shards):
 RSS_SCRIPT = textwrap.dedent("""
     import json, sys
     import psutil
-    from ray_app import shards
-    from ray_app.ddp import StreamedShardSampler
-    from ray_app.storage import LocalStorage
+    from ray_app.shared import shards
+    from ray_app.worker.ddp import StreamedShardSampler
+    from ray_app.shared.storage import LocalStorage
     storage = LocalStorage(sys.argv[1])
     ds = shards.ShardDataset(storage, shards.read_manifest(storage), "train", prefetch=2)
     ds[0]; ds._loose = None  # pyarrow and the decoding code loaded, then let go
@@ -340,8 +340,8 @@ def test_a_shard_set_that_cannot_be_read_stops_train_before_ray_starts(ray_app, 
 
 @pytest.mark.timeout(30)
 def test_shards_args_are_checked_on_the_driver_and_loader_workers_are_named_once(digit_shards):
-    from ray_app.errors import ConfigError
-    from ray_app.plugins import loader_workers_note, validate
+    from ray_app.shared.errors import ConfigError
+    from ray_app.shared.plugins import loader_workers_note, validate
 
     base = ["data.name=shards", f"data.path={digit_shards}"]
     validate(load_config(None, base + ["data.args.prefetch=4"]))

@@ -6,8 +6,8 @@ import pytest
 from boto3.exceptions import S3UploadFailedError
 from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 
-from ray_app.errors import StorageUnavailable
-from ray_app.retry import Retrying, transient
+from ray_app.shared.errors import StorageUnavailable
+from ray_app.shared.retry import Retrying, transient
 
 
 def client_error(code: str, status: int) -> ClientError:
@@ -102,8 +102,8 @@ def test_the_filesystem_ray_train_gets_keeps_its_retry_budget_through_pickling()
 
     import pyarrow.fs
 
-    from ray_app.retry import sdk_attempts_for
-    from ray_app.storage import S3Storage
+    from ray_app.shared.retry import sdk_attempts_for
+    from ray_app.shared.storage import S3Storage
 
     assert sdk_attempts_for(5) == 9 and sdk_attempts_for(120) == 14  # 25 ms x (2^8 - 1) = 6.4 s >= 5 s, ...
     fs = S3Storage("s3://bucket/prefix", retry_s=120).pyarrow_fs()

@@ -1,4 +1,4 @@
-"""The sweep's space file (``ray_app.sweep_space``), its trials' values, its record, the scheduler's replay,
+"""The sweep's space file (``ray_app.driver.sweep_space``), its trials' values, its record, the scheduler's replay,
 MLflow's parent and child runs: no Ray cluster.
 
 What a user notices: a bad space exits 2 with one line naming the key before anything starts; the same
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_app import sweep, sweep_space
-from ray_app.config import Config, load_config
-from ray_app.errors import ConfigError
+from ray_app.driver import sweep, sweep_space
+from ray_app.shared.config import Config, load_config
+from ray_app.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_YAML = str(REPO / "configs" / "local.yaml")
@@ -103,7 +103,7 @@ def test_the_metric_is_checked_against_the_task(task, metric, ok):
 def test_the_builtin_tasks_report_the_metrics_the_sweep_knows_without_torch():
     import torch
 
-    from ray_app.plugins import resolve
+    from ray_app.shared.plugins import resolve
 
     batches = {"classification": (torch.randn(4, 3), torch.tensor([0, 1, 2, 0])),
                "regression": (torch.randn(4, 2), torch.randn(4, 2)),
@@ -154,7 +154,7 @@ class FakeTrial:
 
 @pytest.fixture
 def recorded(tmp_path):
-    from ray_app.storage import LocalStorage
+    from ray_app.shared.storage import LocalStorage
 
     cfg = load_config(LOCAL_YAML, [f"run.storage={tmp_path}", "run.name=s"])
     space = space_of("metric: eval_accuracy\ntrials: 3\nspace: {train.lr: {grid: [0.01, 0.02, 0.03]}}", cfg)
@@ -214,7 +214,7 @@ def test_the_scheduler_replayed_from_the_record_stops_what_it_would_have(recorde
 # ---------------------------------------------------------------- MLflow: a parent run per sweep, a child per trial
 
 def test_each_trial_logs_into_a_child_of_the_sweeps_mlflow_run():
-    from ray_app.tracking import MlflowSink
+    from ray_app.worker.tracking import MlflowSink
     from tests.unit.test_tracking import FakeMlflowClient
 
     class Client(FakeMlflowClient):
@@ -257,8 +257,8 @@ def test_each_trial_logs_into_a_child_of_the_sweeps_mlflow_run():
 
 
 def test_a_sweep_held_by_another_driver_exits_2_naming_it_before_ray_starts(run_cli, tmp_path):
-    from ray_app.lease import held_run
-    from ray_app.storage import LocalStorage
+    from ray_app.shared.lease import held_run
+    from ray_app.shared.storage import LocalStorage
 
     space = tmp_path / "space.yaml"
     space.write_text("metric: eval_accuracy\nspace: {train.lr: {uniform: [0.01, 0.1]}}\n")

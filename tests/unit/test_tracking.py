@@ -1,4 +1,4 @@
-"""Rank 0's trackers (ray_app.tracking) against a hand-written MLflow client and TensorBoard's own reader.
+"""Rank 0's trackers (ray_app.worker.tracking) against a hand-written MLflow client and TensorBoard's own reader.
 
 The fake client keeps runs in memory and can be "down" (every call raises, as an unreachable server makes
 MLflow's client raise); a test checks it still takes MLflow's own parameters. The real server is in
@@ -14,9 +14,9 @@ import types
 
 import pytest
 
-from ray_app.config import load_config
-from ray_app.storage import LocalStorage
-from ray_app.tracking import FanOutSink, MlflowSink, TensorBoardSink, flat_params, rank0_sink
+from ray_app.shared.config import load_config
+from ray_app.shared.storage import LocalStorage
+from ray_app.worker.tracking import FanOutSink, MlflowSink, TensorBoardSink, flat_params, rank0_sink
 from tests.support.stand_ins import assert_stands_in_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ray_app.config import load_config
-from ray_app.errors import ConfigError, DataPipelineError, UserCodeError
-from ray_app.failures import unused_parameters_error
-from ray_app.plugins import guarded_data
-from ray_app.worker import ddp_options
+from ray_app.shared.config import load_config
+from ray_app.shared.errors import ConfigError, DataPipelineError, UserCodeError
+from ray_app.shared.failures import unused_parameters_error
+from ray_app.shared.plugins import guarded_data
+from ray_app.worker.entry import ddp_options
 
 
 class RaggedSamples(torch.utils.data.Dataset):
@@ -77,7 +77,7 @@ def test_a_data_pipeline_error_is_retried_once_then_ends_the_run():
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
 
     policy = KitFailurePolicy(FailureConfig(max_failures=5))
     attempts = [{r: _first_failure(RaggedSamples(), 0) for r in range(2)} for _ in range(3)]
@@ -141,7 +141,7 @@ def test_static_graph_with_unused_parameters_trains(gloo_group):
 # ---------------------------------------------------------------- a rank whose peer is gone
 
 def _rank_of_two(rank: int, port: int, out) -> None:
-    from ray_app.errors import PeerLost
+    from ray_app.shared.errors import PeerLost
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=20))
@@ -183,8 +183,8 @@ def test_a_restart_is_one_line_naming_the_rank_that_failed_not_the_ranks_that_lo
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from ray_app.errors import PeerLost
-    from ray_app.failure_policy import KitFailurePolicy
+    from ray_app.controller.failure_policy import KitFailurePolicy
+    from ray_app.shared.errors import PeerLost
 
     policy = KitFailurePolicy(FailureConfig(max_failures=3))
     lost = PeerLost("rank 0 lost a peer: RuntimeError: Connection closed by peer")

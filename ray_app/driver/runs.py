@@ -1,0 +1,135 @@
+"""``ray-app runs list STORAGE`` and ``ray-app runs show RUN_URI``: what the run journals say.
+
+Both only read (no lease is taken): the runs under a storage with their state, last step, last event and
+the driver holding each (its lease, ``ray_app.shared.lease``); one run's timeline and its wall time split into
+productive training, start-up, restarts, recomputed steps, checkpoint blocking and evaluation
+(``ray_app.shared.journal.account``). A URI that holds no run, a store that cannot be read: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray_app.shared import journal
+from ray_app.shared.errors import UserError
+from ray_app.shared.lease import describe, lease_store
+
+AT_START = "check AWS_ENDPOINT_URL_S3 and that the store is running, then run the command again"
+STEP_KINDS = ("end", "trained", "checkpoint", "first_step", "attempt")  # events that carry the run's step
+LEASE_STALE_S = 60.0  # run.lease_stale_s's default: a lease not renewed for longer holds nothing
+
+
+def _open(uri: str, retry_s: float):
+    from ray_app.shared.storage import open_storage
+
+    storage = open_storage(uri, retry_s=retry_s, then=AT_START)
+    root = getattr(storage, "root", None)
+    if root is not None and not root.is_dir():
+        raise UserError(f"storage {uri}: no such folder; give the run.storage the runs were trained with "
+                        "(a folder or s3://bucket/prefix)")
+    return storage
+
+
+def _holder(storage, run: str, now: float) -> tuple[bool, str]:
+    """(whether a driver holds the run now, who: its lease described, or '')."""
+    found = lease_store(storage, run).read()
+    if found is None:
+        return False, ""
+    record = found[0]
+    fresh = now - float(record.get("renewed", 0)) <= LEASE_STALE_S
+    return fresh, describe(record, now) + ("" if fresh else " (stale)")
+
+
+def _run_row(storage, run: str, names: list[str], now: float) -> dict:
+    last = journal.read_events(storage, run, names[-1:])
+    step, end = None, None
+    for name in reversed(names[-50:]):  # the newest events that carry a step (a few reads)
+        if journal.kind_of_name(name) in STEP_KINDS:
+            found = journal.read_events(storage, run, [name])
+            if found and step is None:
+                step = journal.last_step(found)
+            if found and found[0]["kind"] == "end" and end is None:
+                end = found[0]
+            if step is not None:
+                break
+    if end is None:
+        ends = [n for n in names if journal.kind_of_name(n) == "end"]
+        launches = [n for n in names if journal.kind_of_name(n) == "launch"]
+        if ends and (not launches or ends[-1] > launches[-1]):
+            found = journal.read_events(storage, run, ends[-1:])
+            end = found[0] if found else None
+    held, holder = _holder(storage, run, now)
+    last_time = float(last[0]["time"]) if last else None
+    return {"run": run, "uri": storage.uri(run), "state": journal.state_of(end, held), "last_step": step,
+            "last_event": last[0]["kind"] if last else None,
+            "last_event_time": journal.when(last_time) if last_time else None, "events": len(names),
+            "holder": holder}
+
+
+def list_runs(uri: str, retry_s: float) -> list[dict]:
+    """Every run under the storage ``uri`` that has a journal or a lease, with its state."""
+    storage = _open(uri, retry_s)
+    now = time.time()
+    rows = []
+    for run in storage.list_dirs(""):
+        names = journal.list_names(storage, run)
+        if not names and lease_store(storage, run).read() is None:
+            continue  # no journal, no lease: not a run of this kit (or one from before the journal)
+        rows.append(_run_row(storage, run, names, now))
+    return rows
+
+
+def list_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["no runs with a journal here"]
+    out = []
+    for r in rows:
+        step = "-" if r["last_step"] is None else r["last_step"]
+        last = f"{r['last_event']} at {r['last_event_time']}" if r["last_event"] else "no events"
+        held = f"  held by {r['holder']}" if r["holder"] else ""
+        out.append(f"{r['run']}  {r['state']}  step {step}  last event {last}{held}")
+    return out
+
+
+def _locate(uri: str, retry_s: float):
+    uri = uri.rstrip("/")
+    parent, _, run = uri.rpartition("/")
+    if not run or uri in ("s3:", "s3:/") or (uri.startswith("s3://") and parent in ("s3:/", "s3:")):
+        raise UserError(f"{uri}: expected a run URI such as s3://bucket/prefix/run-name or runs/run-name")
+    return _open(parent or ".", retry_s), run
+
+
+def show_run(uri: str, retry_s: float) -> dict:
+    """The run's events, state and the split of its wall time (``journal.account``)."""
+    storage, run = _locate(uri, retry_s)
+    events = journal.read_events(storage, run)
+    if not events:
+        raise UserError(f"run {storage.uri(run)} has no journal ({journal.EVENTS}/): check the URI "
+                        f"(`ray-app runs list {storage.uri('')}` lists the runs there)")
+    now = time.time()
+    held, holder = _holder(storage, run, now)
+    ends = [e for e in events if e["kind"] == "end"]
+    launches = [e for e in events if e["kind"] == "launch"]
+    end = ends[-1] if ends and (not launches or ends[-1]["time"] >= launches[-1]["time"]) else None
+    accounted = journal.account(events, now=now if held else None)
+    return {"run": run, "uri": storage.uri(run), "state": journal.state_of(end, held), "holder": holder,
+            "last_step": journal.last_step(events), **accounted, "events": events}
+
+
+def show_lines(shown: dict) -> list[str]:
+    events = shown["events"]
+    t0 = float(events[0]["time"])
+    out = [f"run {shown['uri']}: {shown['state']}, step {shown['last_step']}"
+           + (f", held by {shown['holder']}" if shown["holder"] else "")]
+    for e in events:
+        t = float(e["time"])
+        out.append(f"  {journal.when(t)}  +{t - t0:8.1f} s  {journal.describe_event(e)}")
+    wall = shown["wall_seconds"]
+    out.append(f"wall time {wall:.1f} s (launches only; time between them is not counted):")
+    for key in journal.PARTS:
+        seconds = shown["parts"][key]
+        share = 100 * seconds / wall if wall else 0.0
+        out.append(f"  {journal.PART_NAMES[key]:34s} {seconds:9.1f} s  {share:5.1f} %")
+    if shown["goodput_ratio"] is not None:
+        out.append(f"goodput {100 * shown['goodput_ratio']:.1f} %")
+    return out
