@@ -369,18 +369,26 @@ class WorkerLogs:
         self._stream.close()
 
 
-def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) -> dict:
+def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None, trial=None) -> dict:
     """Start Ray (or join it), run the worker group, return rank 0's result.
 
     Ray Train V2's Result.metrics are those of the last report *with a checkpoint*: stale after a
     resume that trains nothing, empty with checkpoints off or in eval. Rank 0 hands over its result
     through Ray's key-value store instead (``ray_app.worker.entry.ResultSlot``).
+
+    ``trial``: a sweep's trial (``ray_app.driver.sweep.Trial``), launched inside Ray Tune's trial actor: Ray
+    is up already (this process neither starts nor stops it), the trial's callbacks join the trainer's and
+    the trial fits it (relaying rank 0's reports to Tune). Everything else is the same path as ``ray-app train``.
     """
-    # the driver's own torch and Ray Train imports run while ray.init waits on the processes it starts
-    imports = import_in_background("torch", "ray.train.torch", "ray_app.controller.failure_policy", "ray_app.controller.scaling_policy")
-    init_ray(cfg)
-    ray_ready = time.time()
-    imports.join()
+    own_ray = trial is None
+    ray_ready = None
+    if own_ray:
+        # the driver's own torch and Ray Train imports run while ray.init waits on the processes it starts
+        imports = import_in_background("torch", "ray.train.torch", "ray_app.controller.failure_policy",
+                                       "ray_app.controller.scaling_policy")
+        init_ray(cfg)
+        ray_ready = time.time()
+        imports.join()
     import ray
     from ray.train import TrainingFailedError
 
@@ -388,35 +396,41 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None) ->
 
     launch_key = uuid.uuid4().hex
     results = ResultSlot(launch_key)
-    # tracking_key: the same for every worker-group restart of this launch (its MLflow run, before a checkpoint has its id)
-    job = dict(job, config=cfg.to_dict(), project_dir=os.getcwd(), tracking_key=launch_key)
+    # tracking_key: the same for every worker-group restart of this launch (its MLflow run, before a
+    # checkpoint has its id); a trial brings its own, and its project folder
+    job = {"project_dir": os.getcwd(), "tracking_key": launch_key, **job, "config": cfg.to_dict()}
     trainer = build_trainer(cfg, job, results, run_name, storage_path, fs)
-    trainer.without_autoscaler = not os.environ.get("RAY_ADDRESS")  # a Ray started here: no autoscaler
+    # a Ray started here (or by the sweep's driver, on this machine) runs without the autoscaler
+    trainer.without_autoscaler = trial.local_ray if trial is not None else not os.environ.get("RAY_ADDRESS")
+    if trial is not None:
+        trainer.run_config.callbacks.extend(trial.callbacks())
     if job.get("launch_id"):  # the failure policy writes each restart into the run journal
         trainer.failure_policy_kwargs = {**trainer.failure_policy_kwargs, "journal_of": (cfg.run.storage, run_name, job["launch_id"])}
     signals: list[int] = []
-    logs = WorkerLogs()
+    logs = WorkerLogs() if own_ray else None
     try:
         # the driver's SIGTERM (`ray job stop`, `docker stop`) or SIGINT (Ctrl-C): the workers checkpoint,
         # then the run stops
-        with stop_on_sigterm(cfg.failure.preemption_checkpoint and job["mode"] == "train") as signals:
-            trainer.kit_handles_sigint = threading.current_thread() is threading.main_thread() and \
+        with stop_on_sigterm(own_ray and cfg.failure.preemption_checkpoint and job["mode"] == "train") as signals:
+            trainer.kit_handles_sigint = own_ray and threading.current_thread() is threading.main_thread() and \
                 cfg.failure.preemption_checkpoint and job["mode"] == "train"
-            result = trainer.fit()
+            result = trainer.fit() if own_ray else trial.fit(trainer)
         error = result.error
     except TrainingFailedError as exc:
         error = exc
     except ray.exceptions.RayActorError as exc:  # Ray Train's controller died (its storage set-up gave up)
-        logs.drain()
-        ray.shutdown()
+        if own_ray:
+            logs.drain()
+            ray.shutdown()
         raise TrainingFailed(controller_failure(exc)) from None
     final = results.take() if error is None else None
-    logs.drain()  # the workers' last lines, still on their way
-    ray.shutdown()  # stop streaming worker logs so the summary really is the last line
+    if own_ray:
+        logs.drain()  # the workers' last lines, still on their way
+        ray.shutdown()  # stop streaming worker logs so the summary really is the last line
     if error is not None:
         raise_worker_failure(error, interrupted=bool(signals) and signals[0] == signal.SIGINT)
     if final is None:
-        raise TrainingFailed("the workers finished but rank 0 returned no result")
+        raise TrainingFailed(f"{run_name}: the workers finished but rank 0 returned no result")
     return dict(final, ray_ready_unix=ray_ready)
 
 

@@ -39,7 +39,7 @@ import time
 
 from ray_app.driver.sweep_space import Space, draw_trials, trial_name
 from ray_app.shared.config import Config, config_from_dict
-from ray_app.shared.errors import RunInterrupted, RunStopped, StorageError, TrainingFailed, UserError
+from ray_app.shared.errors import RunInterrupted, RunStopped, StorageError, UserError
 
 RECORD = "sweep.json"
 TUNE_DIR = "tune"  # Tune's experiment state, under the sweep's folder
@@ -217,14 +217,9 @@ def run_trial(tune_config: dict, plan: dict) -> None:
 
 def _train_trial(cfg: Config, plan: dict, tracking_key: str) -> dict:
     """``ray-app train``'s path for one run, in a process that did not start Ray: the preflight, the run's
-    lease, the driver's ``TorchTrainer`` with Tune's report callback, the driver's one line for a failure."""
-    import uuid
-
-    from ray.train import TrainingFailedError
-
-    from ray_app.driver.launcher import build_trainer, preflight_run, raise_worker_failure
+    lease, the driver's ``launch`` with Tune's report relay, the driver's one line for a failure."""
+    from ray_app.driver.launcher import launch, preflight_run
     from ray_app.shared.lease import held_run
-    from ray_app.worker.entry import ResultSlot
 
     storage = preflight_run(cfg)
     storage_path, fs = storage.ray_storage()
@@ -232,27 +227,28 @@ def _train_trial(cfg: Config, plan: dict, tracking_key: str) -> dict:
         mlflow_child(cfg, plan["mlflow_parent"], tracking_key, f"{plan['name']}/{cfg.run.name}")
     # each trial's run has one writer, as a run does; its workers commit only while this lease holds
     with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:
-        results = ResultSlot(uuid.uuid4().hex)
-        job = {"mode": "train", "config": cfg.to_dict(), "project_dir": plan["project_dir"],
-               "tracking_key": tracking_key, "lease_token": lease.token}
-        trainer = build_trainer(cfg, job, results, cfg.run.name, storage_path, fs)
-        relay = ReportRelay()
-        trainer.run_config.callbacks.append(relay.callback())  # every report of rank 0 -> this trial's Tune result
-        recorder = placement_group_recorder(placement_group_key(plan["key"], cfg.run.name))
-        if recorder is not None:
-            trainer.run_config.callbacks.append(recorder)
-        trainer.without_autoscaler = plan["local_ray"]
-        try:
-            error = relay.fit(trainer).error
-        except TrainingFailedError as exc:
-            error = exc
-        if error is not None:
-            raise_worker_failure(error)
-        final = results.take()
-    if final is None:
-        raise TrainingFailed(f"{cfg.run.name}: the workers finished but rank 0 returned no result")
+        job = {"mode": "train", "project_dir": plan["project_dir"], "tracking_key": tracking_key,
+               "lease_token": lease.token}
+        final = launch(cfg, job, cfg.run.name, storage_path, fs,
+                       trial=Trial(plan["local_ray"], placement_group_key(plan["key"], cfg.run.name)))
     keep = ("epoch", "epochs", "global_step", "train_loss", "checkpoint", "resumed_from_step", "train_seconds")
     return {**{k: final.get(k) for k in keep}, **{k: v for k, v in final.items() if k.startswith("eval_")}}
+
+
+class Trial:
+    """What a trial adds to ``launch``: every report of rank 0 relayed to Tune (``ReportRelay``), each worker
+    group's placement group recorded (``placement_group_recorder``), the trainer fitted on a thread of its own."""
+
+    def __init__(self, local_ray: bool, placement_group_key: bytes):
+        self.local_ray = local_ray
+        self.relay = ReportRelay()
+        self.recorder = placement_group_recorder(placement_group_key)
+
+    def callbacks(self) -> list:
+        return [cb for cb in (self.relay.callback(), self.recorder) if cb is not None]
+
+    def fit(self, trainer):
+        return self.relay.fit(trainer)
 
 
 class ReportRelay:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ray_app import script as kit
+from ray_app.driver import script as driver_script
 from ray_app.shared.catalog import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
 from ray_app.shared.config import load_config
 from ray_app.shared.errors import ConfigError, UserCodeError, UserError
@@ -192,20 +193,20 @@ def test_the_script_is_checked_before_ray(tmp_path, monkeypatch):
     (tmp_path / "sub").mkdir()
     write(tmp_path / "sub", "train.py", "print('hi')\n")
     write(tmp_path, "bad.py", "def f(:\n    pass\n")
-    assert kit.check_script("sub/train.py") == os.path.join("sub", "train.py")
-    assert kit.check_script(str(tmp_path / "sub" / "train.py")) == os.path.join("sub", "train.py")
+    assert driver_script.check_script("sub/train.py") == os.path.join("sub", "train.py")
+    assert driver_script.check_script(str(tmp_path / "sub" / "train.py")) == os.path.join("sub", "train.py")
     outside = write(tmp_path.parent, f"{tmp_path.name}-outside.py", "x = 1\n")
-    assert kit.check_script(str(outside)) == str(outside)  # outside the folder: absolute
+    assert driver_script.check_script(str(outside)) == str(outside)  # outside the folder: absolute
     for path, needle in (("nope.py", "SCRIPT nope.py: no such file"), ("sub", "SCRIPT sub: is a folder"),
                          ("bad.py", "SCRIPT bad.py: SyntaxError")):
         with pytest.raises(UserError, match=needle):
-            kit.check_script(path)
+            driver_script.check_script(path)
 
 
 @pytest.mark.parametrize("script, name", [("train.py", "train"), ("a/b/my model.py", "my-model"),
                                           ("_private.py", "script-_private")])
 def test_a_scripts_run_is_named_after_it(script, name):
-    assert kit.default_run_name(script) == name
+    assert driver_script.default_run_name(script) == name
     assert load_config(None, [f"run.name={name}"]).run.name == name  # a valid run name
 
 
