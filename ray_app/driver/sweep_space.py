@@ -27,7 +27,8 @@ DOMAINS = ("uniform", "loguniform", "randint", "choice", "grid")
 SWEPT_BY_THE_SWEEP = ("run.name", "run.storage")  # the sweep names and places its trials itself
 # the eval metrics of the built-in tasks (``ray_app.shared.tasks``, which imports torch; a unit test holds this to them)
 BUILTIN_TASK_METRICS = {"classification": ("loss", "accuracy"), "regression": ("mse", "mae"),
-                        "language_model": ("loss", "perplexity")}
+                        "language_model": ("loss", "perplexity"),
+                        "causal_lm": ("token_loss_sum", "target_tokens", "loss", "perplexity")}
 
 
 @dataclass

@@ -80,7 +80,7 @@ class ModelSection:
 class TaskSection:
     """The task plug-in (loss and eval metrics) and its arguments."""
 
-    name: str = _f("classification", "Task (loss and eval metrics): classification, regression, language_model, "
+    name: str = _f("classification", "Task (loss and eval metrics): classification, regression, language_model, causal_lm, "
                    "or your own package.module:Class with loss(model, batch) and evaluate(model, batch).")
     args: dict = _args("Keyword arguments of the task (classification: label_smoothing).")
 

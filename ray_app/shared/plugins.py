@@ -45,7 +45,7 @@ BUILTIN = {
     "model": {"digits_cnn": "ray_app.shared.models:DigitsCNN", "mlp": "ray_app.shared.models:mlp",
               "wide_mlp": "ray_app.shared.models:wide_mlp"},
     "task": {"classification": "ray_app.shared.tasks:Classification", "regression": "ray_app.shared.tasks:Regression",
-             "language_model": "ray_app.shared.tasks:LanguageModel"},
+             "language_model": "ray_app.shared.tasks:LanguageModel", "causal_lm": "ray_app.shared.tasks:CausalLM"},
 }
 TORCHVISION_TARGET = "ray_app.shared.models:torchvision_classifier"  # any torchvision classifier name, e.g. resnet18
 SHARDS_TARGET = "ray_app.shared.shards:shard_data"  # streamed shards (ray-app data write); the kit passes its retry budget

@@ -112,3 +112,90 @@ class LanguageModel(_SupervisedTask):
 
     def summarize(self, means: dict) -> dict:
         return {"perplexity": math.exp(min(means["loss"], 700.0))}
+
+
+class CausalLM:
+    """Next-token cross-entropy for causal language models, as transformers counts it.
+
+    Batches are dicts with ``input_ids`` [B, T] and optionally ``labels`` [B, T] (aligned with ``input_ids``;
+    the task shifts by one, so ``labels[:, t]`` is predicted from the tokens up to ``t - 1``; without ``labels``
+    the ``input_ids`` are the labels) and ``attention_mask`` [B, T] (1: a real token; 0: padding, which is
+    neither attended to where the model takes a mask, nor a target). Labels equal to ``ignore_index``
+    (``-100``: a prompt's tokens, padding) are no target either. A tuple ``(input_ids, labels)`` or a lone
+    tensor of ``input_ids`` works too.
+
+    The model returns logits [B, T, V], or an object with ``.logits`` (transformers' output), or a tuple whose
+    first item is the logits. ``loss`` returns ``(mean over this micro-batch's target tokens, their number)``:
+    the kit's logged loss, weighted by that count over every rank and micro-batch, is the token-weighted global
+    mean. Eval: each sample's summed target-token loss and its number of target tokens; ``eval_loss`` is the
+    sum of every target token's loss over the distinct eval samples divided by the number of those tokens, and
+    ``eval_perplexity`` its exp, exactly (both sums are the kit's exact eval sums).
+    """
+
+    def __init__(self, ignore_index: int = -100, input_key: str = "input_ids", labels_key: str = "labels",
+                 mask_key: str = "attention_mask"):
+        self.ignore_index = ignore_index
+        self.input_key, self.labels_key, self.mask_key = input_key, labels_key, mask_key
+        self._takes_mask: dict[int, bool] = {}
+
+    def split(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(input_ids, labels, attention_mask)`` of a batch; labels with padding set to ``ignore_index``."""
+        mask = None
+        if isinstance(batch, dict):
+            if self.input_key not in batch:
+                raise TypeError(f"causal_lm expects batches with {self.input_key!r} (and optionally "
+                                f"{self.labels_key!r}, {self.mask_key!r}); got the keys {sorted(batch)}")
+            ids = batch[self.input_key]
+            labels, mask = batch.get(self.labels_key), batch.get(self.mask_key)
+        elif isinstance(batch, (tuple, list)):
+            ids, labels = batch[0], batch[1] if len(batch) > 1 else None
+        else:
+            ids, labels = batch, None
+        labels = ids if labels is None else labels
+        if mask is not None:
+            labels = labels.masked_fill(mask == 0, self.ignore_index)
+        return ids, labels, mask
+
+    def logits(self, model, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        out = model(ids, attention_mask=mask) if mask is not None and self._mask_arg(model) else model(ids)
+        if hasattr(out, "logits"):
+            return out.logits
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _mask_arg(self, model) -> bool:
+        """Whether the model's forward takes ``attention_mask`` (transformers' models do; a plain module may not)."""
+        key = id(model)
+        if key not in self._takes_mask:
+            import inspect
+
+            inner = getattr(model, "module", model)  # DDP's wrapper
+            try:
+                params = inspect.signature(inner.forward).parameters
+            except (TypeError, ValueError):
+                params = {}
+            self._takes_mask[key] = "attention_mask" in params or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        return self._takes_mask[key]
+
+    def token_losses(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target token's loss [B, T-1] (0 where no target) and whether it is a target [B, T-1]."""
+        ids, labels, mask = self.split(batch)
+        logits = self.logits(model, ids, mask)
+        targets = labels[:, 1:]
+        per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none",
+                                    ignore_index=self.ignore_index).view(targets.shape)
+        return per_token, targets != self.ignore_index
+
+    def loss(self, model, batch):
+        per_token, counted = self.token_losses(model, batch)
+        n = counted.sum()
+        return per_token.sum() / n.clamp(min=1), n
+
+    def evaluate(self, model, batch):
+        per_token, counted = self.token_losses(model, batch)
+        return {"token_loss_sum": per_token.double().sum(dim=1), "target_tokens": counted.double().sum(dim=1)}
+
+    def summarize(self, means: dict) -> dict:
+        # both means are over the same distinct samples: their ratio is sum of losses / sum of tokens
+        loss = means["token_loss_sum"] / means["target_tokens"] if means["target_tokens"] > 0 else float("nan")
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)) if loss == loss else float("nan")}

@@ -107,7 +107,8 @@ def test_the_builtin_tasks_report_the_metrics_the_sweep_knows_without_torch():
 
     batches = {"classification": (torch.randn(4, 3), torch.tensor([0, 1, 2, 0])),
                "regression": (torch.randn(4, 2), torch.randn(4, 2)),
-               "language_model": (torch.randn(4, 5, 7), torch.randint(0, 7, (4, 5)))}
+               "language_model": (torch.randn(4, 5, 7), torch.randint(0, 7, (4, 5))),
+               "causal_lm": (torch.randn(4, 5, 7), torch.randint(0, 7, (4, 5)))}
     for task_name, names in sweep_space.BUILTIN_TASK_METRICS.items():
         task = resolve("task", task_name)()
         x, y = batches[task_name]
