@@ -30,9 +30,11 @@ RETRY_DEFAULT_S = 120.0  # = failure.storage_retry_s's default (a unit test chec
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: bad input, one line (main's)
+    def error(self, message):  # argparse's own errors: bad input, one line, the table's exit code
         self.print_usage(sys.stderr)
-        raise ConfigError(message)
+        bad = ConfigError(message)
+        print(one_line(bad), file=sys.stderr)
+        sys.exit(exit_code(bad))
 
 
 def _config_args(p: argparse.ArgumentParser, config_default: str | None = "configs/local.yaml") -> None:
@@ -404,9 +406,10 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "c
 def main(argv: list[str] | None = None) -> int:
     """A command, ended by the failure table (``ray_app.shared.failures``): an exception of one of its rows at the
     driver is that row's line and exit code; any other is a traceback."""
+    args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
+
+    signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:
-        args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
-        signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
         return COMMANDS[args.command](args)
     except BaseException as exc:  # noqa: B036 - the table says which end a command with a line and a code
         code = exit_code(exc)
