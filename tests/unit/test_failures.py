@@ -268,7 +268,7 @@ def test_the_controllers_death_is_read_by_the_row_of_the_kits_error_in_it():
     assert type(other) is TrainingFailed and str(other) == "OSError: gone"
 
 
-def test_one_line_limit_everywhere():
+def test_an_errors_line_is_cut_at_one_limit_everywhere():
     long = ValueError("\n  " + "x" * 2000 + "\nsecond")
     assert errors.first_line(long) == "x" * errors.LINE_LIMIT
     assert errors.last_line(long) == "second" and errors.first_line(ValueError("")) == "ValueError"
