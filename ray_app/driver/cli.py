@@ -22,18 +22,19 @@ import time
 from pathlib import Path
 
 from ray_app import __version__
-from ray_app.shared.errors import RunInterrupted, RunStopped, TrainingFailed
-from ray_app.shared.failures import BAD_INPUT, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, exit_code, one_line
+from ray_app.shared.errors import CheckpointError, ConfigError, ShardError, UserError
+from ray_app.shared.failures import EXIT_FAILED, EXIT_OK, exit_code, one_line
 from ray_app.shared.shards import DEFAULT_SHARD_MB
 
 RETRY_DEFAULT_S = 120.0  # = failure.storage_retry_s's default (a unit test checks)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: one line, exit 2
+    def error(self, message):  # argparse's own errors: bad input, one line, the table's exit code
         self.print_usage(sys.stderr)
-        print(f"ray-app: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        bad = ConfigError(message)
+        print(one_line(bad), file=sys.stderr)
+        sys.exit(exit_code(bad))
 
 
 def _config_args(p: argparse.ArgumentParser, config_default: str | None = "configs/local.yaml") -> None:
@@ -211,7 +212,6 @@ def cmd_preflight(args) -> int:
 
 def cmd_run(args) -> int:
     from ray_app.driver.script import check_script, run_script
-    from ray_app.shared.errors import UserError
 
     if args.script is None:
         raise UserError("SCRIPT is missing: ray-app run [--config FILE] [--set KEY=VALUE] SCRIPT [ARGS...]")
@@ -254,9 +254,8 @@ def cmd_checkpoints(args) -> int:
         committed = [r for r in rows if not r["problems"].startswith("no manifest")] or rows
         bad = [r for r in committed if not r["verified"]]
         if bad and (name is not None or bad[-1] is committed[-1] or len(bad) == len(committed)):
-            print(f"ray-app: error: {len(bad)} of {len(rows)} checkpoints failed verification "
-                  f"(newest bad: {bad[-1]['uri']}); do not load them", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise CheckpointError(f"{len(bad)} of {len(rows)} checkpoints failed verification "
+                                  f"(newest bad: {bad[-1]['uri']}); do not load them")
     return EXIT_OK
 
 
@@ -308,8 +307,7 @@ def _export(args) -> int:
 
     out = Path(args.out)
     if out.exists() and not args.force:
-        print(f"ray-app: error: --out {out} already exists; choose another path or pass --force", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UserError(f"--out {out} already exists; choose another path or pass --force")
     loaded = ck.load_named_or_newest(args.uri, rank=None, model_only=True, retry_s=args.storage_retry_s,
                                      then=catalog.AT_START,
                                      warn=lambda m: print(f"ray-app: WARNING: {m}", file=sys.stderr))
@@ -364,17 +362,15 @@ def _verify_shards(dest: str) -> int:
         print(f"BAD {line}")
     size = f"{len(manifest.shards)} shards, {manifest.total_samples} samples, {manifest.total_bytes / 1e6:.2f} MB"
     if problems:
-        print(f"ray-app: error: {storage.uri()}: {len(problems)} of {len(manifest.shards)} shards failed verification "
-              f"(first: {problems[0].split(':')[0]}); write the data set again with `ray-app data write DEST "
-              "--overwrite`", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise ShardError(f"{storage.uri()}: {len(problems)} of {len(manifest.shards)} shards failed verification "
+                         f"(first: {problems[0].split(':')[0]}); write the data set again with `ray-app data write DEST "
+                         "--overwrite`")
     print(f"{storage.uri()}: {size}: verified")
     return EXIT_OK
 
 
 def cmd_sweep(args) -> int:
     from ray_app.driver import sweep_space
-    from ray_app.shared.errors import UserError
 
     if args.show:
         from ray_app.driver import sweep
@@ -408,14 +404,19 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "preflight": cmd_preflight, "c
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A command, ended by the failure table (``ray_app.shared.failures``): an exception of one of its rows at the
+    driver is that row's line and exit code; any other is a traceback."""
     args = build_parser().parse_args(argv)  # before the imports below: --help and usage errors skip torch
 
     signal.signal(signal.SIGTERM, _terminate)  # `ray job stop`, docker stop, k8s: shut Ray down cleanly
     try:
         return COMMANDS[args.command](args)
-    except (*BAD_INPUT, TrainingFailed, RunStopped, RunInterrupted, KeyboardInterrupt) as exc:
+    except BaseException as exc:  # noqa: B036 - the table says which end a command with a line and a code
+        code = exit_code(exc)
+        if code is None:
+            raise
         print(one_line(exc), file=sys.stderr)
-        return exit_code(exc)
+        return code
 
 
 def run() -> None:

@@ -19,9 +19,9 @@ import threading
 import time
 import uuid
 
-from ray_app.shared import ray_seam
+from ray_app.shared import failures, ray_seam
 from ray_app.shared.config import Config, config_from_dict, strategy_keys_note
-from ray_app.shared.errors import ConfigError, TrainingFailed, UserError
+from ray_app.shared.errors import ConfigError, TrainingFailed, UserError, first_line
 from ray_app.worker.entry import ResultSlot, worker_main
 
 
@@ -422,7 +422,7 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None, tr
         if own_ray:
             logs.drain()
             ray.shutdown()
-        raise TrainingFailed(controller_failure(exc)) from None
+        raise failures.controller_died(exc) from None
     final = results.take() if error is None else None
     if own_ray:
         logs.drain()  # the workers' last lines, still on their way
@@ -434,14 +434,6 @@ def launch(cfg: Config, job: dict, run_name: str, storage_path: str, fs=None, tr
     return dict(final, ray_ready_unix=ray_ready)
 
 
-def controller_failure(exc: BaseException) -> str:
-    """One line for Ray Train's controller dying: the kit's own error inside it (``StorageUnavailable``:
-    the store did not answer within ``failure.storage_retry_s``), else the error's last line."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    kit = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("ray_app.shared.errors.StorageUnavailable: ")]
-    return (kit[-1] if kit else (lines[-1] if lines else type(exc).__name__))[:500]
-
-
 def resume_command() -> str:
     """The command line that resumes this run: the same one (a run resumes from its newest checkpoint)."""
     import shlex
@@ -450,11 +442,9 @@ def resume_command() -> str:
 
 
 def raise_worker_failure(error, interrupted: bool = False) -> None:
-    """The exception the failure table gives a run that ended on ``error`` (``ray_app.shared.failures.at_driver``):
-    one line for bad input (exit 2), the user's traceback once for their bug (exit 1), one line for a run
-    stopped at the driver's SIGTERM (exit 143) or SIGINT (exit 130, with the command that resumes it)."""
-    from ray_app.shared import failures
-
+    """The exception the failure table gives a run that ended on ``error`` (``ray_app.shared.failures.at_driver``),
+    its row's exit code and line: bad input, the user's bug (their traceback once), a run stopped at the
+    driver's SIGTERM or SIGINT (with the command that resumes it), any other failure."""
     raise failures.at_driver(error, interrupted=interrupted, resume_command=resume_command())
 
 
@@ -524,14 +514,12 @@ def open_journal(storage, cfg: Config, lease):
 def close_journal(journal, error: BaseException | None, global_step=None) -> None:
     """The launch's end in the run journal, with the exit code the command ends with and its one line; then
     what is queued is written (for at most 10 s: the process ends right after)."""
-    from ray_app.shared import failures
-
     if error is None:
         code, line = failures.EXIT_OK, ""
     else:
         code = failures.exit_code(error)
         code, line = (failures.EXIT_FAILED if code is None else code), failures.one_line(error)
-    journal.record("end", exit_code=code, line=line[:500], global_step=global_step)
+    journal.record("end", exit_code=code, line=first_line(line), global_step=global_step)
     journal.flush(10.0)
 
 

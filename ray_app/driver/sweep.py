@@ -38,8 +38,9 @@ import tempfile
 import time
 
 from ray_app.driver.sweep_space import Space, draw_trials, trial_name
+from ray_app.shared import failures
 from ray_app.shared.config import Config, config_from_dict
-from ray_app.shared.errors import RunInterrupted, RunStopped, StorageError, UserError
+from ray_app.shared.errors import RunInterrupted, RunStopped, StorageError, TrainingFailed, UserError, first_line
 
 RECORD = "sweep.json"
 TUNE_DIR = "tune"  # Tune's experiment state, under the sweep's folder
@@ -58,14 +59,17 @@ def sweep_uri(cfg: Config) -> str:
 
 
 def exit_code_of(record: dict) -> int:
-    """0 when some trial has a checkpoint with the metric; else 2 if a trial failed for bad input, else 1."""
+    """0 when some trial has a checkpoint with the metric; else the failure table's code of bad input if a trial
+    failed for it, else its code of a failed training."""
     if best_trial(record) is not None:
-        return 0
+        return failures.EXIT_OK
     failed = [t for t in record["trials"] if t["state"] == "failed"]
     first = failed[0]["error"] if failed else "no trial reported the metric"
     print(f"ray-app: error: no trial of sweep {record['uri']} has a checkpoint with {record['metric']}; "
           f"first failure: {first}", file=sys.stderr)
-    return 2 if any(t.get("exit") == 2 for t in failed) else 1
+    bad_input, failed_training = failures.kind_at_driver(UserError), failures.kind_at_driver(TrainingFailed)
+    return bad_input.exit_code if any(t.get("exit") == bad_input.exit_code for t in failed) else failed_training.exit_code
+
 
 def new_record(name: str, uri: str, space: Space, base: Config, configs: list[Config]) -> dict:
     draws = draw_trials(space, base.run.seed)
@@ -195,8 +199,6 @@ def run_trial(tune_config: dict, plan: dict) -> None:
     ``sweep_finished``, or its error with ``sweep_error`` (one line) and ``sweep_exit`` (the exit code)."""
     from ray import tune
 
-    from ray_app.shared.failures import exit_code
-
     index = tune_config["trial"]
     os.environ.update(plan["env"])  # what the sweep's driver set for Ray Train (timeouts, binding)
     project = plan["project_dir"]
@@ -206,11 +208,10 @@ def run_trial(tune_config: dict, plan: dict) -> None:
         cfg = config_from_dict(plan["configs"][index])
         final = _train_trial(cfg, plan, tracking_key=f"{plan['key']}-{trial_name(index)}")
     except Exception as exc:
-        code = exit_code(exc)
+        code = failures.exit_code(exc)
         if code is None:
             raise
-        tune.report({"sweep_error": (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500],
-                     "sweep_exit": code})
+        tune.report({"sweep_error": first_line(exc), "sweep_exit": code})
         raise
     tune.report(dict(final, sweep_finished=True))
 

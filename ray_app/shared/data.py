@@ -152,7 +152,7 @@ def imagefolder(path: str, image_size: int = 32):
         train = datasets.ImageFolder(str(root / "train"), transform=tf)
         val = datasets.ImageFolder(str(root / "val"), transform=tf)
     except (FileNotFoundError, OSError) as exc:  # no class folders, or a class with no images
-        first = first_line(exc, 200)
+        first = first_line(exc)
         raise ConfigError(f"config key data.path: {root}: {first}; "
                           "lay the images out as train/<class>/*.png and val/<class>/*.png") from None
     if train.classes != val.classes:

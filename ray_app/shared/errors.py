@@ -2,13 +2,9 @@
 
 Callers import their exceptions from here only, so no module imports another just to catch its error.
 What each failure means (how a worker wraps it, what the failure policy decides, what the driver raises,
-the exit code and the one line shown) is the table in ``ray_app.shared.failures``:
-
-- 2, bad input: ``ConfigError`` (and ``PluginError``), ``StorageError``, ``CheckpointError``, ``ShardError``,
-  ``UserError``, ``RunHeld`` (another driver holds the run's lease);
-- 1, training failed: ``TrainingFailed`` (a bug in the user's code after its retry, every restart spent);
-- 143 (128 + SIGTERM), stopped: ``RunStopped``, after the checkpoint of the driver's SIGTERM;
-- 130, interrupted: ``RunInterrupted``, after the checkpoint of the driver's SIGINT (Ctrl-C).
+the exit code and the one line shown) is the table in ``ray_app.shared.failures``; an exit code a class
+below names is that table's (a unit test reads them). An error's line is ``first_line`` (or ``last_line`` for a traceback's text),
+at most ``LINE_LIMIT`` characters wherever it is shown, journaled or reported.
 
 Raised in workers and carried to the driver: ``UserCodeError`` (the user's traceback, shown once),
 ``Preempted`` / ``Stopped`` (every rank, after the checkpoint they agreed on), ``Diverged``
@@ -61,8 +57,7 @@ class UserCodeError(RuntimeError):
     def from_data_pipeline(cls, exc: BaseException, rank: int, step: int = -1) -> UserCodeError:
         """A ``DataPipelineError`` (raised here or in a DataLoader worker): its report, shown as written."""
         report = DataPipelineError.report_of(exc).strip()
-        lines = report.splitlines() or ["the data pipeline failed"]
-        summary = f"in the data pipeline: {lines[-1]}"[:500]
+        summary = f"in the data pipeline: {last_line(report) if report else 'the data pipeline failed'}"
         return cls(summary, report + "\n", f"data|{report}|step {step}", rank, step, report=True)
 
     @classmethod
@@ -76,7 +71,7 @@ class UserCodeError(RuntimeError):
         shown = [f for f in frames[mine[0]:] if not _plumbing(f)]
         text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(shown)) + \
             "".join(traceback.format_exception_only(type(exc), exc))
-        summary = f"{type(exc).__name__}: {first_line(exc, limit=500)}" if str(exc).strip() else type(exc).__name__
+        summary = f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
         where = frames[mine[-1]]
         return cls(summary, text, f"{type(exc).__qualname__}|{exc}|{where.filename}:{where.lineno}|step {step}", rank,
                    step)
@@ -204,6 +199,22 @@ class PeerLost(RuntimeError):
         return cls(f"rank {rank} lost a peer: {type(exc).__name__}: {first_line(exc)}")
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """An error's first non-blank line, at most ``limit`` characters; its type's name if it has none."""
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)[:limit]
+LINE_LIMIT = 500  # the characters of an error's line that are shown, journaled or reported, everywhere
+
+
+def _lines(exc: BaseException | str) -> list[str]:
+    return [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+
+
+def first_line(exc: BaseException | str) -> str:
+    """An error's (or a text's) first non-blank line, at most ``LINE_LIMIT`` characters; its type's name if it
+    has none."""
+    lines = _lines(exc)
+    return (lines[0] if lines else type(exc).__name__)[:LINE_LIMIT]
+
+
+def last_line(exc: BaseException | str) -> str:
+    """An error's (or a text's) last non-blank line, at most ``LINE_LIMIT`` characters: where a traceback's text
+    (Ray's of a remote error, a data pipeline's report) names the error; its type's name if it has none."""
+    lines = _lines(exc)
+    return (lines[-1] if lines else type(exc).__name__)[:LINE_LIMIT]

@@ -182,7 +182,7 @@ def load_torch_bytes(data: bytes, where: str = "checkpoint file"):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # e.g. a pickled object weights_only refuses: bad input, not a crash
-        first = first_line(exc, 200)
+        first = first_line(exc)
         raise CheckpointError(f"{where} cannot be loaded with torch.load(weights_only=True) "
                               f"({type(exc).__name__}: {first}); it is not a plain ray_app checkpoint") from None
 

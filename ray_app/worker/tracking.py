@@ -61,7 +61,7 @@ def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {first_line(exc, 160)}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 class FanOutSink:
