@@ -28,11 +28,13 @@ class KitFailurePolicy(DefaultFailurePolicy):
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         failed = dict(getattr(training_failed_error, "worker_failures", None) or {})
+        hang_step = None
         if self.hang_reports is not None:  # before the restart's line: who did not arrive, where the stacks are
             hang_line = self.hang_reports.line(failed)
             if hang_line:
                 print(f"ray-app: {hang_line}", flush=True)
                 self._journal("hang_report", cause=hang_line)
+                hang_step = self.hang_reports.step
         controller = training_failed_error if not failed and hasattr(training_failed_error, "controller_failure") \
             else None
         decision = self.history.decide(failed, controller)
@@ -48,7 +50,7 @@ class KitFailurePolicy(DefaultFailurePolicy):
         if ray_decision == FailureDecision.RETRY and decision.line:
             count = self._count(training_failed_error, controller)
             print(failures.restart_line(decision.line, count), flush=True)
-            self._journal("restart", cause=decision.line, count=count, **where_failed(failed))
+            self._journal("restart", cause=decision.line, count=count, **where_failed(failed, hang_step))
         return ray_decision
 
     def _journal(self, kind: str, **fields) -> None:
@@ -76,16 +78,23 @@ class KitFailurePolicy(DefaultFailurePolicy):
         return f"restart {worker_group} of {'unlimited' if limit == -1 else limit}: failure.max_failures"
 
 
-def where_failed(failed: dict) -> dict:
+def where_failed(failed: dict, hang_step: int | None = None) -> dict:
     """The rank a restart's line names and the global step where it failed, as far as known: its own error's
     step (the workers give every error they raise the step they were at: ``ray_app.worker.entry``), else the
-    furthest step another failed rank had reached (a killed worker says nothing; the ranks that lost it do);
-    None where unknown (a group that did not start, a worker killed before its first step)."""
+    step of the collective a hang's line names (``hang_step``), else the furthest step another failed rank
+    had reached (a killed worker says nothing; the ranks that lost it do); None where unknown (a group that
+    did not start, a worker killed with no other rank's error or report)."""
     first = failures.failed_first(failed)
     if first is None:
         return {"rank": None, "step": None}
     rank, error = first
-    steps = [s for s in (getattr(e, "step", None) for e in failed.values()) if isinstance(s, int) and s >= 0]
-    own = getattr(error, "step", None)
-    step = own if isinstance(own, int) and own >= 0 else max(steps, default=None)
-    return {"rank": rank, "step": step}
+    def step_of(e) -> int | None:
+        step = getattr(e, "step", None)
+        return step if isinstance(step, int) and step >= 0 else None
+
+    if step_of(error) is not None:
+        return {"rank": rank, "step": step_of(error)}
+    if hang_step is not None:
+        return {"rank": rank, "step": hang_step}
+    others = [s for s in map(step_of, failed.values()) if s is not None]
+    return {"rank": rank, "step": max(others, default=None)}

@@ -45,8 +45,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ray_app.shared.errors import first_line
-
 EVENTS = "events"  # the journal's folder under the run's
 CAPACITY = 512  # events a process holds while the store is slow; beyond, new ones are dropped (counted)
 BOUNDARIES = ("restart", "preemption")  # events that end one worker-group attempt and start the next
@@ -208,6 +206,8 @@ def read_journal(storage, run: str, names: list[str] | None = None) -> tuple[lis
     """The run's events in the order of their times, and its files that are no event, each ``(name, why)``
     (not JSON, not text, no kind or time: a write cut short, a file changed by hand), left out of the events.
     A store that cannot be read raises."""
+    from ray_app.shared.errors import first_line
+
     if names is None:
         names = list_names(storage, run)
     with ThreadPoolExecutor(max_workers=READERS) as pool:

@@ -71,7 +71,7 @@ def test_the_summary_lists_this_launchs_restarts_and_counts_wall_seconds_from_th
 
 
 @pytest.mark.timeout(30)
-def test_a_restart_without_a_known_step_or_rank_says_so():
+def test_a_restarts_rank_and_step_are_the_first_failed_ranks_else_the_hangs_else_the_others():
     from ray_app.controller.failure_policy import where_failed
     from ray_app.shared.errors import UserCodeError
 
@@ -79,6 +79,9 @@ def test_a_restart_without_a_known_step_or_rank_says_so():
     assert where_failed({}) == {"rank": None, "step": None}  # a group that did not start
     user = UserCodeError("ValueError: bad", "Traceback ...", "fp", 1, 7)
     assert where_failed({0: _lost(0, 9), 1: user}) == {"rank": 1, "step": 7}  # its own step, not the others'
+    hung = {1: RuntimeError("A worker health check has been hanging"), 0: _lost(0, 9)}
+    assert where_failed(hung, hang_step=10) == {"rank": 1, "step": 10}  # the collective the hang's line names
+    assert where_failed(hung) == {"rank": 1, "step": 9}  # the furthest step a rank that lost it reached
 
 
 @pytest.mark.timeout(60)
