@@ -88,13 +88,14 @@ def where_failed(failed: dict, hang_step: int | None = None) -> dict:
     if first is None:
         return {"rank": None, "step": None}
     rank, error = first
-    def step_of(e) -> int | None:
-        step = getattr(e, "step", None)
-        return step if isinstance(step, int) and step >= 0 else None
-
-    if step_of(error) is not None:
-        return {"rank": rank, "step": step_of(error)}
+    if _step_of(error) is not None:
+        return {"rank": rank, "step": _step_of(error)}
     if hang_step is not None:
         return {"rank": rank, "step": hang_step}
-    others = [s for s in map(step_of, failed.values()) if s is not None]
+    others = [s for s in map(_step_of, failed.values()) if s is not None]
     return {"rank": rank, "step": max(others, default=None)}
+
+
+def _step_of(error: BaseException) -> int | None:
+    step = getattr(error, "step", None)  # -1: raised before training started
+    return step if isinstance(step, int) and step >= 0 else None
