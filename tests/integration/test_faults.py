@@ -3,7 +3,9 @@
 - a rank SIGSTOPped mid-epoch: the others' collectives give up after ``failure.hang_timeout_s``, Ray
   Train restarts the group from the newest checkpoint, the stopped process is killed; before that the
   other rank writes its hang report (stacks and collective counter) and the driver's one line names the
-  stopped rank, the collective the other waits in and the step;
+  stopped rank, the collective the other waits in and the step; the summary's ``restarts`` tells that one
+  restart (cause, rank, step), and every epoch's loss, the one the restart cut included, is the uninterrupted
+  run's;
 - a SIGTERM to the driver: the workers checkpoint at the next step boundary and the run stops (143);
   the same command again resumes there;
 
