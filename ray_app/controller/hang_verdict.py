@@ -98,6 +98,7 @@ class HangReports:
     max_age_s: float = 600.0  # reports older than this at a failure belong to an earlier stall, not to it
     wait_s: float = 0.0  # how long a failure that looks like a hang waits for reports still on their way
     said: set = field(default_factory=set)
+    step: int | None = None  # the step of the newest line's collective (the restart's journal event names it)
 
     def _fresh_reports(self, storage) -> tuple[str | None, list[RankReport]]:
         """The newest attempt's folder not said yet, and its reports written within ``max_age_s``."""
@@ -134,6 +135,7 @@ class HangReports:
                 return None
             self.said.add(folder)
             found = verdict(reports)
+            self.step = found.step
         except Exception as exc:  # the report is a help; the restart does not wait on it
             return f"hang: the reports under {self.storage_uri} could not be read ({type(exc).__name__}: {exc})"
         where = storage.uri(folder) + "/"

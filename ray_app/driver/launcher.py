@@ -453,10 +453,9 @@ def run_training(cfg: Config) -> dict:
     from ray_app.shared.lease import held_run
 
     storage = preflight_run(cfg)
-    t0 = time.perf_counter()
     done = completed_run(cfg, storage)
     if done is not None:  # nothing left to train: no Ray, no workers
-        return done
+        return dict(done, restarts=[], wall_seconds=wall_seconds())
     storage_path, fs = storage.ray_storage()
     with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:  # one writer per run, before Ray starts
         journal = open_journal(storage, cfg, lease)
@@ -468,6 +467,7 @@ def run_training(cfg: Config) -> dict:
             close_journal(journal, exc)
             raise
         close_journal(journal, None, m.get("global_step"))
+    restarts = launch_restarts(storage, cfg.run.name, journal.context["launch"])
     return {
         "run": cfg.run.name,
         "checkpoint": m.get("checkpoint"),
@@ -478,8 +478,11 @@ def run_training(cfg: Config) -> dict:
         **{k: v for k, v in m.items() if k.startswith("eval_")},
         "num_eval_samples": m.get("num_samples"),
         "train_seconds": m.get("train_seconds"),
-        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "wall_seconds": wall_seconds(),  # from the driver's start: preflight, its waits and Ray's start included
         "resumed_from_step": m.get("resumed_from_step", 0),
+        # this launch's worker-group restarts and preemptions, each {kind, cause, rank, step} (None where not known);
+        # the train_loss above is still the whole last epoch's (its loss sums travel in the checkpoints)
+        "restarts": restarts,
         "skipped_steps": m.get("skipped_steps", 0),  # non-finite steps dropped (train.nonfinite=skip)
         "world_size": m.get("world_size", cfg.scaling.num_workers),  # the last worker group's (elastic: may be fewer)
         "steady_samples_per_second": m.get("steady_samples_per_second"),
@@ -490,6 +493,22 @@ def run_training(cfg: Config) -> dict:
         "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
                      **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},
     }
+
+
+def wall_seconds() -> float:
+    """Seconds since the driver's process started (``DRIVER_START_UNIX``)."""
+    return round(time.time() - DRIVER_START_UNIX, 2)
+
+
+def launch_restarts(storage, run: str, launch: str) -> list[dict] | None:
+    """This launch's restarts as the failure policy journaled them (``ray_app.shared.journal.restarts_of``);
+    None when they cannot be known (the journal off, its store not answering now)."""
+    from ray_app.shared import journal
+
+    try:
+        return journal.restarts_of(storage, run, launch)
+    except Exception:  # the run is done: a store that fails this read leaves the summary without them
+        return None
 
 
 def open_journal(storage, cfg: Config, lease):
@@ -540,12 +559,21 @@ def completed_run(cfg: Config, storage) -> dict | None:
         metrics = json.loads(catalog.read_verified(storage, found.rel, manifest["files"], "metrics.json"))
     except Exception:  # an older checkpoint without it, or one that does not match: the summary has no metrics
         metrics = {}
-    print(f"ray-app: run {cfg.run.name} is complete: {found.uri} is at epoch {epoch}, step {step} "
-          f"(train.epochs={cfg.train.epochs}); nothing to train. Raise train.epochs to train on, or use another "
-          "run.name for a new run", file=sys.stderr, flush=True)
+    print(complete_line(cfg, found.uri, epoch, step), file=sys.stderr, flush=True)
     return {"run": cfg.run.name, "checkpoint": found.uri, "epochs": epoch, "global_step": step,
             "train_loss": metrics.get("train_loss"), **{k: v for k, v in metrics.items() if k.startswith("eval_")},
             "train_seconds": 0.0, "wall_seconds": 0.0, "resumed_from_step": step, "complete": True}
+
+
+def complete_line(cfg: Config, uri: str, epoch: int, step: int) -> str:
+    """The one line of a complete run: the key (or keys) that ended it, ``train.max_steps`` reached or
+    ``train.epochs`` done, with its value and what to raise to train on."""
+    ended = [f"train.epochs={cfg.train.epochs}"] if epoch >= cfg.train.epochs else []
+    if cfg.train.max_steps and step >= cfg.train.max_steps:
+        ended.append(f"train.max_steps={cfg.train.max_steps}")
+    keys = " and ".join(k.split("=")[0] for k in ended)
+    return (f"ray-app: run {cfg.run.name} is complete: {uri} is at epoch {epoch}, step {step} ({' and '.join(ended)} "
+            f"reached); nothing to train. Raise {keys} to train on, or use another run.name for a new run")
 
 
 def run_eval(uri: str, overrides: list[str]) -> dict:

@@ -8,6 +8,7 @@ productive training, start-up, restarts, recomputed steps, checkpoint blocking a
 
 from __future__ import annotations
 
+import sys
 import time
 
 from ray_app.shared import journal
@@ -40,30 +41,25 @@ def _holder(storage, run: str, now: float) -> tuple[bool, str]:
     return fresh, describe(record, now) + ("" if fresh else " (stale)")
 
 
+def _last_end(events: list[dict]) -> dict | None:
+    """The ``end`` of the run's last launch; None while it runs or when it was lost (no end after it)."""
+    ends = [e for e in events if e["kind"] == "end"]
+    launches = [e for e in events if e["kind"] == "launch"]
+    return ends[-1] if ends and (not launches or ends[-1]["time"] >= launches[-1]["time"]) else None
+
+
 def _run_row(storage, run: str, names: list[str], now: float) -> dict:
-    last = journal.read_events(storage, run, names[-1:])
-    step, end = None, None
-    for name in reversed(names[-50:]):  # the newest events that carry a step (a few reads)
-        if journal.kind_of_name(name) in STEP_KINDS:
-            found = journal.read_events(storage, run, [name])
-            if found and step is None:
-                step = journal.last_step(found)
-            if found and found[0]["kind"] == "end" and end is None:
-                end = found[0]
-            if step is not None:
-                break
-    if end is None:
-        ends = [n for n in names if journal.kind_of_name(n) == "end"]
-        launches = [n for n in names if journal.kind_of_name(n) == "launch"]
-        if ends and (not launches or ends[-1] > launches[-1]):
-            found = journal.read_events(storage, run, ends[-1:])
-            end = found[0] if found else None
+    """One run's line: its state, last step and last event from every event that can be read (as ``runs show``
+    reads them), and how many of its files cannot be."""
+    events, unreadable = journal.read_journal(storage, run, names)
+    stepped = [e for e in events if e["kind"] in STEP_KINDS and journal.last_step([e]) is not None]
+    step = journal.last_step(stepped[-1:])  # the newest event that carries the run's step
     held, holder = _holder(storage, run, now)
-    last_time = float(last[0]["time"]) if last else None
-    return {"run": run, "uri": storage.uri(run), "state": journal.state_of(end, held), "last_step": step,
-            "last_event": last[0]["kind"] if last else None,
-            "last_event_time": journal.when(last_time) if last_time else None, "events": len(names),
-            "holder": holder}
+    last = events[-1] if events else None
+    return {"run": run, "uri": storage.uri(run), "state": journal.state_of(_last_end(events), held), "last_step": step,
+            "last_event": last["kind"] if last else None,
+            "last_event_time": journal.when(float(last["time"])) if last else None, "events": len(events),
+            "unreadable": len(unreadable), "holder": holder}
 
 
 def list_runs(uri: str, retry_s: float) -> list[dict]:
@@ -85,9 +81,11 @@ def list_lines(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         step = "-" if r["last_step"] is None else r["last_step"]
-        last = f"{r['last_event']} at {r['last_event_time']}" if r["last_event"] else "no events"
+        last = f"{r['last_event']} at {r['last_event_time']}" if r["last_event"] else \
+            ("none readable" if r["unreadable"] else "no events")
+        bad = f"  {r['unreadable']} of {r['events'] + r['unreadable']} events not readable" if r["unreadable"] else ""
         held = f"  held by {r['holder']}" if r["holder"] else ""
-        out.append(f"{r['run']}  {r['state']}  step {step}  last event {last}{held}")
+        out.append(f"{r['run']}  {r['state']}  step {step}  last event {last}{bad}{held}")
     return out
 
 
@@ -99,21 +97,27 @@ def _locate(uri: str, retry_s: float):
     return _open(parent or ".", retry_s), run
 
 
-def show_run(uri: str, retry_s: float) -> dict:
-    """The run's events, state and the split of its wall time (``journal.account``)."""
+def show_run(uri: str, retry_s: float, say=None) -> dict:
+    """The run's events, state and the split of its wall time (``journal.account``). Each journal file that is
+    no event is named in one line (``say``: standard error) and left out, and listed under ``unreadable``."""
     storage, run = _locate(uri, retry_s)
-    events = journal.read_events(storage, run)
+    events, unreadable = journal.read_journal(storage, run)
+    for name, why in unreadable:
+        (say or _to_stderr)(f"ray-app: {journal.EVENTS}/{name}: not readable ({why}), left out")
     if not events:
-        raise UserError(f"run {storage.uri(run)} has no journal ({journal.EVENTS}/): check the URI "
+        found = f"has {len(unreadable)} journal files, none of them readable" if unreadable else "has no journal"
+        raise UserError(f"run {storage.uri(run)} {found} ({journal.EVENTS}/): check the URI "
                         f"(`ray-app runs list {storage.uri('')}` lists the runs there)")
     now = time.time()
     held, holder = _holder(storage, run, now)
-    ends = [e for e in events if e["kind"] == "end"]
-    launches = [e for e in events if e["kind"] == "launch"]
-    end = ends[-1] if ends and (not launches or ends[-1]["time"] >= launches[-1]["time"]) else None
     accounted = journal.account(events, now=now if held else None)
-    return {"run": run, "uri": storage.uri(run), "state": journal.state_of(end, held), "holder": holder,
-            "last_step": journal.last_step(events), **accounted, "events": events}
+    return {"run": run, "uri": storage.uri(run), "state": journal.state_of(_last_end(events), held), "holder": holder,
+            "last_step": journal.last_step(events), **accounted, "events": events,
+            "unreadable": [{"name": f"{journal.EVENTS}/{name}", "error": why} for name, why in unreadable]}
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def show_lines(shown: dict) -> list[str]:

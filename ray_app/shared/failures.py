@@ -218,16 +218,23 @@ def restart_cause(failures: dict[int, BaseException], controller_error: BaseExce
     if controller_error is not None:
         failure = getattr(controller_error, "controller_failure", controller_error)
         return f"{type(failure).__name__}: {first_line(failure).split('. ')[0]}"  # Ray's hints left out
-    ranked = sorted(failures.items(), key=lambda item: (isinstance(item[1], PeerLost), item[0]))
-    if not ranked:
+    first = failed_first(failures)
+    if first is None:
         return ""
-    rank, error = ranked[0]
+    rank, error = first
     if isinstance(error, UserCodeError):
         return (f"rank {error.rank} raised in your code {error.where}: {error.summary} "
                 "(retried: the same error at the same step again ends the run)")
     if isinstance(error, (StorageUnavailable, PeerLost)):
         return first_line(error)
     return f"rank {rank}: {type(error).__name__}: {first_line(error)}"
+
+
+def failed_first(failures: dict[int, BaseException]) -> tuple[int, BaseException] | None:
+    """The rank a restart's line names and its error: a worker's own error before a rank that only lost its
+    peers (``PeerLost``), the lowest rank first; None for no failed rank."""
+    ranked = sorted(failures.items(), key=lambda item: (isinstance(item[1], PeerLost), item[0]))
+    return ranked[0] if ranked else None
 
 
 def restart_line(cause: str, count: str) -> str:

@@ -15,8 +15,8 @@ first_step           rank 0               launch, attempt, global_step
 checkpoint           rank 0               launch, attempt, global_step, uri, blocked_seconds,
                                           eval_seconds (this attempt's evaluations so far)
 outage               the driver, rank 0   where, during, seconds (an outage waited out)
-restart              the failure policy   launch, cause (the failure table's line), count
-preemption           the failure policy   launch, cause
+restart              the failure policy   launch, cause (the failure table's line), count, rank, step
+preemption           the failure policy   launch, cause, rank, step
 diverged             the failure policy   launch, cause
 hang_report          the driver           what the hang report says (its fields are the report's)
 trained              rank 0               launch, attempt, global_step, eval_seconds (the loop ended)
@@ -43,6 +43,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 EVENTS = "events"  # the journal's folder under the run's
 CAPACITY = 512  # events a process holds while the store is slow; beyond, new ones are dropped (counted)
@@ -198,20 +199,48 @@ def flush(timeout: float = 5.0) -> bool:
 # ---------------------------------------------------------------- reading
 
 
-def read_events(storage, run: str, names: list[str] | None = None) -> list[dict]:
-    """The run's events in the order of their names (time); an object that is not JSON is left out."""
+READERS = 8  # events read at once (one small object each: on S3 a request each)
+
+
+def read_journal(storage, run: str, names: list[str] | None = None) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The run's events in the order of their times, and its files that are no event, each ``(name, why)``
+    (not JSON, not text, no kind or time: a write cut short, a file changed by hand), left out of the events.
+    A store that cannot be read raises."""
+    from ray_app.shared.errors import first_line
+
     if names is None:
         names = list_names(storage, run)
-    out = []
-    for name in names:
+    with ThreadPoolExecutor(max_workers=READERS) as pool:
+        bodies = list(pool.map(lambda name: storage.read_bytes(f"{run}/{EVENTS}/{name}"), names))
+    events, unreadable = [], []
+    for name, body in zip(names, bodies):
         try:
-            event = json.loads(storage.read_bytes(f"{run}/{EVENTS}/{name}"))
-        except ValueError:
+            event = json.loads(body)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            unreadable.append((name, f"{type(exc).__name__}: {first_line(exc, 200)}"))
             continue
         if isinstance(event, dict) and "kind" in event and "time" in event:
-            out.append(event)
-    out.sort(key=lambda e: float(e["time"]))
-    return out
+            events.append(event)
+        else:
+            unreadable.append((name, "not an event: no kind or time"))
+    events.sort(key=lambda e: float(e["time"]))
+    return events, unreadable
+
+
+def read_events(storage, run: str, names: list[str] | None = None) -> list[dict]:
+    """The run's events in the order of their times; a file that is no event is left out (``read_journal``)."""
+    return read_journal(storage, run, names)[0]
+
+
+def restarts_of(storage, run: str, launch: str) -> list[dict] | None:
+    """The worker-group restarts of one launch, oldest first (its ``BOUNDARIES`` events: the failure policy's
+    restarts and preemptions), each with its kind, cause, rank and step (None where not known); None when
+    the journal is off (``enabled``: nothing recorded them). Reads those events only."""
+    if not enabled():
+        return None
+    names = [n for n in list_names(storage, run) if kind_of_name(n) in BOUNDARIES]
+    return [{"kind": e["kind"], "cause": e.get("cause", ""), "rank": e.get("rank"), "step": e.get("step")}
+            for e in read_events(storage, run, names) if e.get("launch") == launch]
 
 
 def list_names(storage, run: str) -> list[str]:

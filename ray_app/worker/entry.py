@@ -259,6 +259,8 @@ def _as_failure(exc: Exception, cfg: Config, rank: int, stats) -> Exception | No
                             leaving=preemption.NOTICE.is_set())
     if wrapped is not None:
         _SHOWN_BY_THE_DRIVER.active = True
+        if getattr(wrapped, "step", None) is None:  # where it was raised, for the restart's journal event (the failure policy's)
+            wrapped.step = stats.global_step
     return wrapped
 
 

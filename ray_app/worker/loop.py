@@ -98,7 +98,7 @@ class Trainer:
         if resumed is not None:
             self.pos, self.resumed_from_step = resumed.pos, resumed.from_step
             self.resumed_checkpoint_unix, self.last_eval = resumed.checkpoint_unix, resumed.last_eval
-            self.resumed_tracking = resumed.tracking
+            self.resumed_tracking, self.progress.before = resumed.tracking, resumed.epoch_loss
             self.progress.total_steps = self._planned_last_step()
         self._announce()
         self.stats.start_training(self.pos.global_step)
@@ -154,7 +154,7 @@ class Trainer:
             self.pos.epoch_world_size = self.world_size
         parts.train_sampler.set_start(self.pos.samples_done, self.pos.epoch_world_size)
         parts.loader_gen.manual_seed(cfg.run.seed * 1_000_003 + epoch)
-        self.progress.new_epoch(self.pos.global_step)
+        self.progress.new_epoch(self.pos.global_step, self.pos.batches_done)  # a resumed epoch keeps its sums before
         step_t0 = time.perf_counter()
         for batch in self.pace.timed(parts.train_loader):  # next() timed: this rank's data wait
             b = self.pos.batches_done
@@ -270,11 +270,12 @@ class Trainer:
         with entered("checkpoint (broadcast_object_list)"):  # sync point: rank 0's name, which every rank writes under
             dist.broadcast_object_list(names, src=0)
         metrics = dict(self._metrics_dict(), **(metrics or {}))
+        loss_sums = self.progress.epoch_sums(self.pos.batches_done)  # sync point (mid-epoch): the epoch's global loss sums
         shared = None
         if self.is_rank0:  # the small files; every rank writes its share of the model, the optimizer and its RNG
             shared = {"scheduler.pt": self.scheduler.state_dict(), "config.json": self.cfg.to_dict(),
                       "state.json": TrainState(self.pos, self.world_size, self.last_eval,
-                                               self.metrics.checkpoint_state()).state_dict(),
+                                               self.metrics.checkpoint_state(), loss_sums).state_dict(),
                       "metrics.json": metrics}
         self._account(self.ckpt.save_shards(self.model, self.optimizer, shared, capture_rng_state(), metrics,
                                             rank=self.rank, world_size=self.world_size, name=names[0]))

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ray_app.worker.ddp import global_mean, global_sum_and_count
+from ray_app.worker.ddp import global_sum_and_count
 
 
 @runtime_checkable
@@ -89,17 +89,23 @@ class Progress:
 
     def __init__(self, metrics: MetricsSink, device: torch.device, total_steps: int, say=print):
         self.metrics, self.device, self.total_steps, self.say = metrics, device, total_steps, say
-        self.epoch_loss = torch.zeros((), device=device)  # this epoch (this attempt), this rank
-        self.epoch_count = torch.zeros((), device=device)
+        # float64 sums of each batch's float32 loss x samples: exact in practice, so an epoch's sums cut by a
+        # checkpoint and added up after a resume equal the uncut ones (the uninterrupted run's epoch loss)
+        self.epoch_loss = torch.zeros((), device=device, dtype=torch.float64)  # this epoch (this attempt), this rank
+        self.epoch_count = torch.zeros((), device=device, dtype=torch.float64)
+        self.before = (0.0, 0.0)  # the epoch's global (loss x samples, samples) before this attempt: its checkpoint's
         self.new_interval(0)
 
     def new_interval(self, global_step: int) -> None:
         self.t0, self.step0, self.batches = time.perf_counter(), global_step, 0
-        self.loss_sum = torch.zeros((), device=self.device)
-        self.count = torch.zeros((), device=self.device)
+        self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self.count = torch.zeros((), device=self.device, dtype=torch.float64)
 
-    def new_epoch(self, global_step: int) -> None:
+    def new_epoch(self, global_step: int, batches_done: int = 0) -> None:
+        """An epoch starts, or goes on after a resume (``batches_done`` > 0: the sums ``before`` it stay)."""
         self.epoch_loss.zero_(), self.epoch_count.zero_()
+        if not batches_done:
+            self.before = (0.0, 0.0)
         self.new_interval(global_step)
 
     def add(self, loss: torch.Tensor, n) -> None:
@@ -129,10 +135,20 @@ class Progress:
         self.new_interval(global_step)
 
     def epoch_train_loss(self, *, epoch: int, global_step: int, lr: float) -> float:
-        """The rest of the interval logged, then the epoch's global mean train loss (collective)."""
+        """The rest of the interval logged, then the epoch's global mean train loss (collective), the steps
+        before a restart included (their sums came with the checkpoint resumed from)."""
         if self.batches:
             self.log(epoch=epoch, global_step=global_step, lr=lr)
-        return global_mean(self.epoch_loss, self.epoch_count)  # sync point: all ranks
+        total, n = global_sum_and_count(self.epoch_loss, self.epoch_count)  # sync point: all ranks
+        return (self.before[0] + total) / max(self.before[1] + n, 1.0)
+
+    def epoch_sums(self, batches_done: int) -> tuple[float, float]:
+        """The epoch's global (sum of loss x samples, samples) so far, for a checkpoint's state: a collective
+        when the epoch has begun (``batches_done`` > 0; every rank calls it at the same step), else none."""
+        if not batches_done:
+            return 0.0, 0.0
+        total, n = global_sum_and_count(self.epoch_loss + self.loss_sum, self.epoch_count + self.count)  # sync point
+        return self.before[0] + total, self.before[1] + n
 
 
 def fmt_eta(seconds: float) -> str:

@@ -35,28 +35,34 @@ class Position:
 class TrainState:
     """The one schema of a checkpoint's ``state.json``, written (``state_dict``) and read (``from_state_dict``)
     here only: where training is, the world size it was at, the newest eval metrics (a resumed run's summary
-    and checkpoints carry them until it evaluates again) and the trackers' state (the MLflow run id, ...)."""
+    and checkpoints carry them until it evaluates again), the trackers' state (the MLflow run id, ...) and the
+    epoch's loss so far: the global (sum of loss x samples, samples) of its batches up to ``pos`` (a run resumed
+    mid-epoch reports the whole epoch's loss, the steps re-done after a failure counted once)."""
 
     pos: Position
     world_size: int
     last_eval: dict = field(default_factory=dict)
     tracking: dict = field(default_factory=dict)
+    epoch_loss: tuple[float, float] = (0.0, 0.0)
 
     def state_dict(self) -> dict:
         p = self.pos
         return {"epoch": p.epoch, "batches_done": p.batches_done, "samples_done": p.samples_done,
                 "epoch_world_size": p.epoch_world_size, "global_step": p.global_step, "world_size": self.world_size,
-                "last_eval": self.last_eval, "tracking": self.tracking}
+                "last_eval": self.last_eval, "tracking": self.tracking,
+                "epoch_loss_sum": float(self.epoch_loss[0]), "epoch_loss_samples": float(self.epoch_loss[1])}
 
     @classmethod
     def from_state_dict(cls, s: dict, batch_size: int, world_size: int) -> TrainState:
         """Older checkpoints lack some keys: their samples read so far follow from the batches done at their
-        world size, and their epoch started at that world size (``world_size``: this run's, if theirs is missing)."""
+        world size, and their epoch started at that world size (``world_size``: this run's, if theirs is missing);
+        without the epoch's loss sums, the epoch's loss is that of the steps after the resume (sums from zero)."""
         saved_world = s.get("world_size", world_size)
         pos = Position(s["epoch"], s["batches_done"], s["global_step"],
                        s.get("samples_done", s["batches_done"] * batch_size * saved_world),
                        s.get("epoch_world_size", saved_world))
-        return cls(pos, saved_world, s.get("last_eval", {}), s.get("tracking", {}))
+        epoch_loss = (float(s.get("epoch_loss_sum", 0.0)), float(s.get("epoch_loss_samples", 0.0)))
+        return cls(pos, saved_world, s.get("last_eval", {}), s.get("tracking", {}), epoch_loss)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Resumed:
     checkpoint_unix: float = 0.0
     last_eval: dict = field(default_factory=dict)
     tracking: dict = field(default_factory=dict)  # the trackers' state (ray_app.worker.tracking: the MLflow run id, ...)
+    epoch_loss: tuple[float, float] = (0.0, 0.0)  # the epoch's global loss sums up to pos (TrainState.epoch_loss)
 
 
 def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=print) -> Resumed | None:
@@ -110,7 +117,7 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
     else:  # a rank the checkpoint's world did not have: a stream of its own, derived, not the run's first
         seed_everything(cfg.run.seed * 1000 + rank + 1_000_003 * pos.global_step)
     say(f"resumed from {loaded.uri} at epoch {pos.epoch} batch {pos.batches_done} step {pos.global_step}")
-    return Resumed(pos, pos.global_step, loaded.created, state.last_eval, state.tracking)
+    return Resumed(pos, pos.global_step, loaded.created, state.last_eval, state.tracking, state.epoch_loss)
 
 
 def reshard(cfg: Config, parts, pos: Position, saved_world: int, world_size: int, say=print) -> None:

@@ -3,7 +3,9 @@
 - a rank SIGSTOPped mid-epoch: the others' collectives give up after ``failure.hang_timeout_s``, Ray
   Train restarts the group from the newest checkpoint, the stopped process is killed; before that the
   other rank writes its hang report (stacks and collective counter) and the driver's one line names the
-  stopped rank, the collective the other waits in and the step;
+  stopped rank, the collective the other waits in and the step; the summary's ``restarts`` tells that one
+  restart (cause, rank, step), and every epoch's loss, the one the restart cut included, is the uninterrupted
+  run's;
 - a SIGTERM to the driver: the workers checkpoint at the next step boundary and the run stops (143);
   the same command again resumes there;
 
@@ -35,17 +37,30 @@ WORKLOAD = workload(EPOCHS)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """The uninterrupted run's final parameters."""
+def reference_run(tmp_path_factory) -> tuple[dict, str]:
+    """The uninterrupted run: its summary and its output."""
     storage = tmp_path_factory.mktemp("reference")
     run = Run(["--set", f"run.storage={storage}", "--set", "run.name=ref", *WORKLOAD])
     assert run.wait() == 0, run.text[-4000:]
     summary = summary_of(run.text)
-    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    return final_model(summary)
+    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH and summary["restarts"] == [], summary
+    return summary, run.text
 
 
-def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit_identical(reference, tmp_path):
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict:
+    """The uninterrupted run's final parameters."""
+    return final_model(reference_run[0])
+
+
+def epoch_losses(text: str) -> list[tuple[int, str]]:
+    """Every "epoch N done: train loss L" line of a run's output, in order (an epoch may end twice: before
+    a failure and again after the restart)."""
+    return [(int(e), loss) for e, loss in re.findall(r"epoch (\d+) done: train loss (\S+)", text)]
+
+
+def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit_identical(reference, reference_run,
+                                                                                         tmp_path):
     run_dir = tmp_path / "hang"
     run = Run(["--set", f"run.storage={tmp_path}", "--set", "run.name=hang", *WORKLOAD,
                "--set", "checkpoint.every_steps=12", "--set", f"failure.hang_timeout_s={HANG_TIMEOUT_S}",
@@ -82,7 +97,7 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
                           r"\(restart (\d+) of \d+: failure\.max_failures\)$", run.text, re.M)
     assert [n for _, n in restarts] == ["1"], run.text[-5000:]
     assert "Error in training function" not in run.text and "Traceback" not in run.text, run.text[-5000:]
-    hang_step = _the_hang_report_names_the_stopped_rank(run, victim.pid, run_dir)
+    hang_step, stopped = _the_hang_report_names_the_stopped_rank(run, victim.pid, run_dir)
     print(f"[faults] the hang line {run.first(r'ray-app: hang: ') - stopped_at:.1f}s after the SIGSTOP")
 
     summary = summary_of(run.text)
@@ -91,12 +106,25 @@ def test_a_stopped_rank_is_detected_within_the_hang_timeout_and_the_run_ends_bit
     # the hang was at a step after the checkpoint the group resumed from, within its cadence (every 12 steps)
     assert summary["resumed_from_step"] < hang_step <= summary["resumed_from_step"] + 13, (hang_step, summary)
     assert_bit_identical(final_model(summary), reference)
+    # the summary tells the restart: its cause as its line says it, the stopped rank, the step of the hang's line
+    print(f"[faults] the summary's restarts: {summary['restarts']}")
+    assert [(r["kind"], r["cause"], r["rank"], r["step"]) for r in summary["restarts"]] == \
+        [("restart", restarts[0][0], stopped, hang_step)], (summary["restarts"], hang_step)
+    # every epoch's loss, the one the restart cut included, and the summary's (the last epoch's) are over the
+    # whole epoch, the steps re-done after the restart counted once: the uninterrupted run's (the sums came with
+    # the checkpoint resumed from; the same float32 terms in float64 sums, then one division: equal to 1e-6
+    # relative and in practice to the bit)
+    ref_summary, ref_text = reference_run
+    uninterrupted = dict(epoch_losses(ref_text))
+    assert len(uninterrupted) == EPOCHS and all(loss == uninterrupted[e] for e, loss in epoch_losses(run.text)), \
+        (epoch_losses(run.text), uninterrupted)
+    assert summary["train_loss"] == pytest.approx(ref_summary["train_loss"], rel=1e-6), (summary, ref_summary)
 
 
-def _the_hang_report_names_the_stopped_rank(run: Run, victim_pid: int, run_dir: Path) -> int:
+def _the_hang_report_names_the_stopped_rank(run: Run, victim_pid: int, run_dir: Path) -> tuple[int, int]:
     """The driver's one hang line names the stopped rank (each rank's line says its pid), the collective the
     other rank waits in and the step; that rank's stacks and counter are in the folder the line names, the
-    stopped one wrote nothing. Returns the step."""
+    stopped one wrote nothing. Returns the step and the stopped rank."""
     ranks = {int(pid): int(rank) for pid, rank in re.findall(r"pid=(\d+)(?:, ip=\S+)?\) rank (\d+)/2 on host", run.text)}
     stopped, other = ranks[victim_pid], 1 - ranks[victim_pid]
     lines = re.findall(r"ray-app: (hang: .*)$", run.text, re.M)
@@ -122,7 +150,7 @@ def _the_hang_report_names_the_stopped_rank(run: Run, victim_pid: int, run_dir: 
     kinds = [(e["kind"], e.get("cause", "")) for e in shown["events"] if e["kind"] in ("hang_report", "restart")]
     assert kinds[:1] == [("hang_report", lines[0])] and kinds[1][0] == "restart", kinds
     print(f"\n[faults] {lines[0]}")
-    return int(m.group(5))
+    return int(m.group(5)), stopped
 
 
 def test_a_sigterm_to_the_driver_stops_the_run_at_a_checkpoint_and_a_resubmit_loses_no_step(reference, tmp_path):

@@ -260,6 +260,50 @@ def test_runs_list_and_show_read_the_journal_and_the_lease(tmp_path, capsys, mon
 
 
 @pytest.mark.timeout(60)
+def test_runs_show_names_each_unreadable_journal_file_and_runs_list_agrees(tmp_path, capsys, monkeypatch):
+    """A journal file cut short (not JSON) and one that is JSON but no event: ``runs show`` names each in one
+    line and leaves it out; ``runs list`` counts the readable events and says how many are not."""
+    import signal
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    storage = LocalStorage(str(tmp_path))
+    w = journal.JournalWriter(storage, "r", source="test")
+    for e in _events(1000.0, *KILL_PREEMPT_OUTAGE[:8]):
+        w.record(e.pop("kind"), **e)
+    assert w.flush(5.0)
+    names = journal.list_names(storage, "r")
+    events_dir = tmp_path / "r" / journal.EVENTS
+    (events_dir / names[-1]).write_bytes(b'{"kind": "first_st')  # the newest event, its write cut short
+    (events_dir / names[2]).write_text(json.dumps(["not", "an", "event"]))
+
+    rc, out, err = _cli(["runs", "show", str(tmp_path / "r")], capsys)
+    assert rc == 0
+    assert err.splitlines() == [
+        f"ray-app: events/{names[2]}: not readable (not an event: no kind or time), left out",
+        f"ray-app: events/{names[-1]}: not readable (JSONDecodeError: Unterminated string starting at: line 1 column 10 "
+        "(char 9)), left out"], err
+    assert "restart: rank 1: ActorDiedError" in out and "first step: step 51" not in out
+    rc, out, err = _cli(["runs", "show", str(tmp_path / "r"), "--json"], capsys)
+    shown = json.loads(out)
+    assert len(shown["events"]) == 6 and [u["name"] for u in shown["unreadable"]] == [f"events/{n}" for n in (names[2], names[-1])]
+
+    rc, out, err = _cli(["runs", "list", str(tmp_path)], capsys)
+    assert rc == 0 and err == "", err
+    assert out.startswith("r  lost  step 50  last event attempt at 1970") and out.rstrip().endswith(
+        "  2 of 8 events not readable"), out
+    rc, out, _ = _cli(["runs", "list", str(tmp_path), "--json"], capsys)
+    row = json.loads(out)[0]
+    assert (row["events"], row["unreadable"], row["last_event"]) == (6, 2, "attempt"), row
+
+    for name in names:  # none readable: named each, then one line that the run has no readable journal
+        (events_dir / name).write_bytes(b"\x00garbage")
+    rc, out, err = _cli(["runs", "list", str(tmp_path)], capsys)
+    assert "last event none readable  8 of 8 events not readable" in out, out
+    rc, out, err = _cli(["runs", "show", str(tmp_path / "r")], capsys)
+    assert rc == 2 and len(err.splitlines()) == 9 and "has 8 journal files, none of them readable" in err, err
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, names", [
     (["runs", "show", "{tmp}/nothing"], ["has no journal", "ray-app runs list"]),
     (["runs", "list", "{tmp}/missing"], ["no such folder", "run.storage"]),

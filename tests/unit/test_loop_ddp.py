@@ -257,6 +257,9 @@ def _fit(rank: int, world: int, cfg, crash_after=None):
     checkpointer = Checkpointer(storage, cfg.run.name, rt.report, every_epochs=cfg.checkpoint.every_epochs,
                                 every_steps=cfg.checkpoint.every_steps, warn=print, staged=staged)
     trainer = Trainer(cfg, rt, build_parts(cfg, rt), checkpointer, metrics)
+    epoch_losses = []  # each epoch's train loss, as its "epoch N done" line says it
+    said = trainer.progress.epoch_train_loss
+    trainer.progress.epoch_train_loss = lambda **kw: epoch_losses.append(said(**kw)) or epoch_losses[-1]
     try:
         summary = trainer.fit()
         rt.drain()  # Ray Train waits for pending uploads when the train function returns
@@ -265,7 +268,8 @@ def _fit(rank: int, world: int, cfg, crash_after=None):
     return {"summary": summary, "calls": rt.calls, "checkpoint_names": rt.checkpoint_names,
             "resumed_from_step": trainer.resumed_from_step,
             "params": {k: v.clone() for k, v in trainer.module.state_dict().items()},
-            "progress": metrics.progress, "evals": metrics.evals, "last_step_shown": trainer.progress.total_steps}
+            "progress": metrics.progress, "evals": metrics.evals, "last_step_shown": trainer.progress.total_steps,
+            "epoch_losses": epoch_losses}
 
 
 def _trainer_worker(rank: int, world: int, port: int, out: str, storage: str) -> None:
@@ -541,6 +545,13 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(trainer_runs, nam
         assert torch.equal(resumed["params"][key], tensor), key
     assert resumed["summary"]["eval_accuracy"] == ref["summary"]["eval_accuracy"]
     assert resumed["summary"]["eval_loss"] == ref["summary"]["eval_loss"]
+    # each epoch's train loss (its line, the summary's for the last) is over all of its steps, those before the
+    # crash too: their global sums came with the checkpoint, the steps re-done after it counted once. The sums
+    # are float64 sums of the same float32 terms (loss x samples), cut at the checkpoint: equal to float64
+    # precision (in practice to the bit; the sum then divided once), far inside 1e-9
+    ended = len(resumed["epoch_losses"])
+    assert ended and resumed["epoch_losses"] == pytest.approx(ref["epoch_losses"][-ended:], rel=1e-9, abs=0)
+    assert resumed["summary"]["train_loss"] == pytest.approx(ref["summary"]["train_loss"], rel=1e-9, abs=0)
     # the run ends on a committed checkpoint of the final step
     newest, _ = newest_verified(storage, name)
     assert newest is not None and int(newest[len("ckpt-s"):].split("-")[0]) == ref["summary"]["global_step"]
