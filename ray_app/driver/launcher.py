@@ -290,7 +290,16 @@ def _num_workers(cfg: Config):
 def validate_before_ray(cfg: Config) -> None:
     """The plug-ins (import, attribute, arguments) and, where the driver shares the workers' files
     (local Ray), the data folder. Torch is not imported for the built-ins."""
-    from ray_app.shared.plugins import SHARDS_TARGET, add_project_to_path, check_shard_set, loader_workers_note, target, validate, validate_local_data
+    from ray_app.shared.plugins import (
+        HF_TARGET,
+        SHARDS_TARGET,
+        add_project_to_path,
+        check_shard_set,
+        loader_workers_note,
+        target,
+        validate,
+        validate_local_data,
+    )
 
     add_project_to_path(os.getcwd())
     validate(cfg)
@@ -298,6 +307,10 @@ def validate_before_ray(cfg: Config) -> None:
         validate_local_data(cfg)
     elif target("data", cfg.data.name) == SHARDS_TARGET and cfg.data.path.startswith("s3://"):
         check_shard_set(cfg)  # the store the workers read: reachable from here too
+    if target("model", cfg.model.name) == HF_TARGET:  # a pretrained model's folder: config, index, shards
+        from ray_app.shared.hf import check_pretrained
+
+        check_pretrained(cfg.model.args, retry_s=cfg.failure.storage_retry_s)
     for note in (loader_workers_note(cfg), strategy_keys_note(cfg)):
         if note:
             print(note, file=sys.stderr, flush=True)

@@ -70,6 +70,12 @@ class LocalStorage:
     def read_bytes(self, rel: str) -> bytes:
         return self._p(rel).read_bytes()
 
+    def read_range(self, rel: str, start: int, length: int) -> bytes:
+        """``length`` bytes of a file from byte ``start``."""
+        with open(self._p(rel), "rb") as f:
+            f.seek(start)
+            return f.read(length)
+
     def read_into(self, rel: str, out) -> None:
         """Copy a file into the binary file ``out`` (from its start), a chunk at a time: memory stays bounded."""
         out.seek(0)
@@ -233,6 +239,13 @@ class S3Storage:
     def read_bytes(self, rel: str) -> bytes:
         return self._retry(f"reading {rel}", lambda: self.client.get_object(
             Bucket=self.settings.bucket, Key=self._key(rel))["Body"].read())
+
+    def read_range(self, rel: str, start: int, length: int) -> bytes:
+        """``length`` bytes of an object from byte ``start`` (one ranged GET)."""
+        if length <= 0:
+            return b""
+        return self._retry(f"reading {rel}", lambda: self.client.get_object(
+            Bucket=self.settings.bucket, Key=self._key(rel), Range=f"bytes={start}-{start + length - 1}")["Body"].read())
 
     def read_into(self, rel: str, out) -> None:
         """Copy an object into the binary file ``out`` a chunk at a time (memory stays bounded); a transient

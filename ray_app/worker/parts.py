@@ -18,6 +18,7 @@ from ray_app.shared.config import Config
 from ray_app.shared.plugins import build_data, build_model, build_task
 from ray_app.worker.ddp import ResumableDistributedSampler, assert_identical_parameters, data_samplers, lr_lambda, seed_everything
 from ray_app.worker.evaluation import EvalSet
+from ray_app.worker.pretrained import load_pretrained, pending_weights
 from ray_app.worker.strategy import fully_shard_model
 
 # ---------------------------------------------------------------- the seam (the real object and test fakes)
@@ -62,13 +63,18 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     info = dict(info)
     collate_fn = info.pop("collate_fn", None)  # a data plug-in may hand over its own
     seed_everything(cfg.run.seed)  # practice 1: identical init on every rank
-    module = build_model(cfg, info).to(runtime.device)
+    module = build_model(cfg, info)
+    pretrained = pending_weights(module) is not None  # made on the meta device: each rank reads what it holds
+    module = module if pretrained else module.to(runtime.device)
     if cfg.train.strategy == "fsdp":  # practice 1 on the unsharded parameters: FSDP broadcasts nothing
-        assert_identical_parameters(module)
+        if not pretrained:
+            assert_identical_parameters(module)
         model = module = fully_shard_model(module, runtime.device, runtime.world_size, units=cfg.train.fsdp_units,
                                            reshard_after_forward=cfg.train.reshard_after_forward,
                                            bf16=cfg.train.amp and runtime.device.type == "cuda")
+        load_pretrained(module, runtime.device)  # every rank its own rows: the same file, so equal by making
     else:
+        load_pretrained(module, runtime.device)
         model = runtime.prepare_model(module, bucket_cap_mb=cfg.train.bucket_cap_mb)
         module = getattr(model, "module", model)
         assert_identical_parameters(model)
