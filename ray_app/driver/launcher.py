@@ -293,6 +293,7 @@ def validate_before_ray(cfg: Config) -> None:
     from ray_app.shared.plugins import (
         HF_TARGET,
         SHARDS_TARGET,
+        TEXT_TARGET,
         add_project_to_path,
         check_shard_set,
         loader_workers_note,
@@ -307,10 +308,15 @@ def validate_before_ray(cfg: Config) -> None:
         validate_local_data(cfg)
     elif target("data", cfg.data.name) == SHARDS_TARGET and cfg.data.path.startswith("s3://"):
         check_shard_set(cfg)  # the store the workers read: reachable from here too
+    model_config = None
     if target("model", cfg.model.name) == HF_TARGET:  # a pretrained model's folder: config, index, shards
         from ray_app.shared.hf import check_pretrained
 
-        check_pretrained(cfg.model.args, retry_s=cfg.failure.storage_retry_s)
+        model_config = check_pretrained(cfg.model.args, retry_s=cfg.failure.storage_retry_s)
+    if target("data", cfg.data.name) == TEXT_TARGET:  # the text and the tokenizer, against the model's config
+        from ray_app.shared.text import check_text
+
+        check_text(cfg.data.args, model_config, retry_s=cfg.failure.storage_retry_s)
     for note in (loader_workers_note(cfg), strategy_keys_note(cfg)):
         if note:
             print(note, file=sys.stderr, flush=True)

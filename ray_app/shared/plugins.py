@@ -41,13 +41,14 @@ KINDS = ("data", "model", "task")
 BUILTIN = {
     "data": {"digits": "ray_app.shared.data:digits", "synthetic": "ray_app.shared.data:synthetic",
              "cifar10": "ray_app.shared.data:cifar10", "imagefolder": "ray_app.shared.data:imagefolder",
-             "shards": "ray_app.shared.shards:shard_data"},
+             "shards": "ray_app.shared.shards:shard_data", "text": "ray_app.shared.text:text"},
     "model": {"hf": "ray_app.shared.hf:pretrained", "digits_cnn": "ray_app.shared.models:DigitsCNN", "mlp": "ray_app.shared.models:mlp",
               "wide_mlp": "ray_app.shared.models:wide_mlp"},
     "task": {"classification": "ray_app.shared.tasks:Classification", "regression": "ray_app.shared.tasks:Regression",
              "language_model": "ray_app.shared.tasks:LanguageModel", "causal_lm": "ray_app.shared.tasks:CausalLM"},
 }
 TORCHVISION_TARGET = "ray_app.shared.models:torchvision_classifier"  # any torchvision classifier name, e.g. resnet18
+TEXT_TARGET = "ray_app.shared.text:text"  # text files and a tokenizer, packed into sequences
 HF_TARGET = "ray_app.shared.hf:pretrained"  # a Hugging Face model from its config and safetensors (no hub)
 SHARDS_TARGET = "ray_app.shared.shards:shard_data"  # streamed shards (ray-app data write); the kit passes its retry budget
 SHARDS_KIT_ARGS = {"storage_retry_s"}  # what the kit passes the shards' factory (failure.storage_retry_s)

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from ray_app.shared.errors import ConfigError
 from ray_app.shared.hf import INDEX, check_pretrained
+from tests.support.hf import tiny_llama
 from tests.support.ports import free_port
 
 transformers = pytest.importorskip("transformers")
@@ -23,19 +24,9 @@ pytestmark = pytest.mark.timeout(180)
 IDS = torch.arange(24).view(2, 12) % 97
 
 
-def tiny_llama(folder: Path, shard: str | None = "40KB", tied: bool = True) -> Path:
-    """A 3-layer Llama-architecture model with random weights, saved as save_pretrained saves it (no hub)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tied)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def sharded_llama(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("llama"))
+    return tiny_llama(tmp_path_factory.mktemp("llama"), vocab_size=97, shard="40KB", layers=3)
 
 
 def _rank(rank: int, world: int, port: int, folder: str, out) -> None:
@@ -92,7 +83,7 @@ def test_ddp_s_whole_model_equals_from_pretrained_s_and_keeps_its_buffers(tmp_pa
     from ray_app.shared.hf import pretrained
     from ray_app.worker.pretrained import load_pretrained
 
-    folder = tiny_llama(tmp_path / "one", shard=None, tied=False)  # one model.safetensors, untied
+    folder = tiny_llama(tmp_path / "one", vocab_size=97, tied=False, layers=3)  # one model.safetensors, untied
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
     model = pretrained(str(folder), dtype="bfloat16")
     load_pretrained(model, torch.device("cpu"))
