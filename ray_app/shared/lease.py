@@ -389,12 +389,11 @@ class RunLease:
 
 def sweep_leftovers(storage, run: str, lease: RunLease) -> None:
     """What earlier writers of the run left, removed by the driver that now holds it: uncommitted checkpoint
-    folders older than ``run.lease_stale_s`` (``ray_app.shared.catalog.sweep_uncommitted``) and the lease's
-    own temp files. Best effort: what cannot be removed now is tried at the next start."""
+    folders older than ``run.lease_stale_s`` (``ray_app.shared.catalog.sweep_uncommitted``; the lease's own
+    temp files go in ``held_run``). Best effort: what cannot be removed now is tried at the next start."""
     from ray_app.shared.catalog import sweep_uncommitted
 
     try:
-        lease.store.sweep(lease.stale_s, lease.clock())
         sweep_uncommitted(storage, run, lease.stale_s, say=lease.say, now=lease.clock())
     except Exception as exc:
         lease.say(f"ray-app: could not remove what earlier writes of run {lease.where} left "
@@ -407,6 +406,7 @@ def held_run(storage, run: str, stale_s: float):
     left uncommitted is swept once it is held (``sweep_leftovers``)."""
     lease = RunLease(lease_store(storage, run), storage.uri(run), stale_s)
     lease.acquire()
+    lease.store.sweep(lease.stale_s, lease.clock())  # before the renewing thread writes temp files of its own
     lease.start_renewing()
     sweep_leftovers(storage, run, lease)
     try:

@@ -257,3 +257,22 @@ def test_a_renewal_on_a_full_disk_leaves_no_temp_file(tmp_path):
         with pytest.raises(OSError):
             lease.renew()
         assert files_under(disk) == [LEASE_FILE, "filler"]
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_workers_share_in_the_s3_bucket_is_swept_at_the_next_start(s3, monkeypatch):
+    """On S3 (moto_server): the objects of an uncommitted checkpoint older than run.lease_stale_s go when the
+    next driver holds the run; a committed checkpoint's stay."""
+    from ray_app.shared.storage import S3Storage
+
+    for key, value in s3.env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    storage = S3Storage(f"s3://{s3.bucket}/sweep", retry_s=10)
+    left, committed = _named_ago(2, 120), _named_ago(1, 300)
+    for name, files in ((left, ("model/__0_0.distcp", "parts/rank_0.json")), (committed, ("state.pt", "manifest.json"))):
+        for f in files:
+            storage.write_bytes(f"r/{name}/{f}", b"x")
+    with held_run(storage, "r", stale_s=60.0):
+        assert storage.list_dirs("r") == [committed]
+    assert set(storage.list_files(f"r/{committed}")) == {"state.pt", "manifest.json"}
