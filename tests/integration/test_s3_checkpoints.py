@@ -223,8 +223,9 @@ def test_broken_checkpoints_are_never_loaded(s3, tmp_path):
     # automatic resume skips all three, each said once (by the driver), and continues from the good one
     rc, out, err = ray_app(["train", *base, "--set", "train.epochs=2"], s3.env())
     assert rc == 0, err[-3000:]
-    assert sorted(ln.split(": ", 2)[1] for ln in (out + err).splitlines() if ln.startswith("ray-app: skipped ")) == \
-        sorted(broken.values())
+    skipped = [ln[len("ray-app: skipped "):].split(": ", 1)[0] for ln in (out + err).splitlines()
+               if ln.startswith("ray-app: skipped ")]
+    assert sorted(skipped) == sorted(broken.values()), out + err
     assert summary_of(out)["resumed_from_step"] == STEPS_PER_EPOCH
     after = s3.snapshot("broken/")
     assert all(after.get(k) == v for k, v in before.items() if "/ckpt-s0000009" in k)
