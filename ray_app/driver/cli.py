@@ -308,15 +308,14 @@ def _export(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:
         raise UserError(f"--out {out} already exists; choose another path or pass --force")
-    loaded = ck.load_named_or_newest(args.uri, rank=None, model_only=True, retry_s=args.storage_retry_s,
-                                     then=catalog.AT_START,
-                                     warn=lambda m: print(f"ray-app: WARNING: {m}", file=sys.stderr))
+    loaded = ck.load_uri(args.uri, rank=None, model_only=True, retry_s=args.storage_retry_s, then=catalog.AT_START,
+                         say=lambda line: print(line, file=sys.stderr, flush=True))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     torch.save(loaded.model, tmp)
     tmp.replace(out)
     print(json.dumps({"checkpoint": loaded.uri, "out": str(out), "tensors": len(loaded.model),
-                      "global_step": loaded.state.get("global_step")}))
+                      "global_step": loaded.global_step}))
     return EXIT_OK
 
 

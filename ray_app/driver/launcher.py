@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import logging
 import os
 import signal
@@ -324,45 +323,60 @@ def validate_before_ray(cfg: Config) -> None:
 
 def preflight_run(cfg: Config):
     """Everything that can be checked before a worker starts. Returns the storage."""
-    from ray_app.shared.errors import StorageError
+    return preflight_train(cfg)[0]
+
+
+CHOSEN_FILES = ("config.json", "metrics.json")  # what the driver keeps of the checkpoint it chose
+
+
+def say_skipped(line: str) -> None:
+    """The driver's one line for a checkpoint the selection skipped (``ray_app.shared.catalog.good``)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def preflight_train(cfg: Config):
+    """``preflight_run``'s checks, and what they found: (storage, the run's newest checkpoint that verifies or
+    None, the names of the checkpoints said to be skipped: the workers do not say them again)."""
+    from ray_app.shared.catalog import AT_START, choose
+    from ray_app.shared.errors import CheckpointError, StorageError
     from ray_app.shared.storage import open_storage, preflight
 
     validate_before_ray(cfg)
     storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
     preflight(storage)
-    _check_resume(cfg, storage)
+    said: set = set()
+    newest = _check_resume(cfg, storage, said)
     if cfg.run.resume_from:
-        from ray_app.shared.catalog import committed_config
-        from ray_app.shared.errors import CheckpointError
-
-        try:  # its manifest and config.json only; an outage is waited out for failure.storage_retry_s
-            uri, saved = committed_config(cfg.run.resume_from, retry_s=cfg.failure.storage_retry_s)
+        try:  # it verifies (every file read; the config kept); an outage is waited out for failure.storage_retry_s
+            found = choose(cfg.run.resume_from, keep=CHOSEN_FILES.__contains__, retry_s=cfg.failure.storage_retry_s,
+                           then=AT_START, say=say_skipped, said=said)
         except (CheckpointError, StorageError) as exc:
             raise UserError(f"config key run.resume_from: {exc}") from None
         from ray_app.shared.config import resume_conflicts
 
-        model_changes = [c for c in resume_conflicts(saved, cfg) if c.startswith("model.")]
+        model_changes = [c for c in resume_conflicts(found.config, cfg) if c.startswith("model.")]
         if model_changes:
-            raise UserError(f"config key run.resume_from: {uri} holds another model "
+            raise UserError(f"config key run.resume_from: {found.uri} holds another model "
                             f"({', '.join(model_changes)}); its weights cannot be loaded into this one")
-    return storage
+    return storage, newest, said
 
 
-def _check_resume(cfg: Config, storage) -> None:
-    """A run resumes only with the config its checkpoints depend on (config.RESUME_MUST_MATCH)."""
-    from ray_app.shared.catalog import newest_committed_config
+def _check_resume(cfg: Config, storage, said: set):
+    """A run resumes only with the config its checkpoints depend on (config.RESUME_MUST_MATCH): that of the
+    checkpoint it resumes from, its newest that verifies (returned; None for a new run)."""
+    from ray_app.shared.catalog import newest_good
     from ray_app.shared.config import resume_conflicts
 
-    found = newest_committed_config(storage, cfg.run.name)  # the catalog imports no torch
+    found = newest_good(storage, cfg.run.name, keep=CHOSEN_FILES.__contains__, say=say_skipped, said=said)
     if found is None:
-        return
-    uri, saved = found
-    conflicts = resume_conflicts(saved, cfg)
+        return None
+    conflicts = resume_conflicts(found.config, cfg)
     if conflicts:
-        raise UserError(f"run {cfg.run.name} in {storage.uri('')} has checkpoints ({uri}) made with another "
+        raise UserError(f"run {cfg.run.name} in {storage.uri('')} has checkpoints ({found.uri}) made with another "
                         f"{'; '.join(conflicts)}: its checkpoints cannot continue with this config; use another "
                         f"run.name for a new run (add run.resume_from={storage.uri(cfg.run.name)} to warm-start it "
                         "from this one), or set these keys back")
+    return found
 
 
 class WorkerLogs:
@@ -471,17 +485,18 @@ def run_training(cfg: Config) -> dict:
     """Preflight, train, return the summary dict."""
     from ray_app.shared.lease import held_run
 
-    storage = preflight_run(cfg)
-    done = completed_run(cfg, storage)
+    storage, newest, said = preflight_train(cfg)
+    done = completed_run(cfg, newest)
     if done is not None:  # nothing left to train: no Ray, no workers
         return dict(done, restarts=[], wall_seconds=wall_seconds())
     storage_path, fs = storage.ray_storage()
-    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:  # one writer per run, before Ray starts
+    # one writer per run, before Ray starts; holding it, the driver sweeps what earlier writes left uncommitted
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:
         journal = open_journal(storage, cfg, lease)
         try:
             # the workers commit a checkpoint only while the lease holds this driver's token
-            m = launch(cfg, {"mode": "train", "lease_token": lease.token, "launch_id": journal.context["launch"]},
-                       cfg.run.name, storage_path, fs)
+            m = launch(cfg, {"mode": "train", "lease_token": lease.token, "launch_id": journal.context["launch"],
+                             "said": sorted(said)}, cfg.run.name, storage_path, fs)
         except BaseException as exc:
             close_journal(journal, exc)
             raise
@@ -561,22 +576,19 @@ def close_journal(journal, error: BaseException | None, global_step=None) -> Non
     journal.flush(10.0)
 
 
-def completed_run(cfg: Config, storage) -> dict | None:
-    """The summary of a run whose newest committed checkpoint already ends it (``train.epochs`` done, or
-    ``train.max_steps`` reached), said in one line; None when there is training left. Reads its manifest,
-    config and metrics only (the catalog: no torch, no Ray)."""
-    from ray_app.shared import catalog
-
-    found = catalog.newest(storage, cfg.run.name, check=catalog.CONFIG_OK)
+def completed_run(cfg: Config, found) -> dict | None:
+    """The summary of a run whose newest checkpoint that verifies (``found``: ``preflight_train``'s) already
+    ends it (``train.epochs`` done, or ``train.max_steps`` reached), said in one line; None when there is
+    training left. Reads nothing more (no torch, no Ray)."""
     if found is None:
         return None
-    manifest = found.verification.manifest
+    manifest = found.manifest
     step, epoch = int(manifest.get("global_step") or 0), int(manifest.get("epoch") or 0)
     if epoch < cfg.train.epochs and not (cfg.train.max_steps and step >= cfg.train.max_steps):
         return None
     try:
-        metrics = json.loads(catalog.read_verified(storage, found.rel, manifest["files"], "metrics.json"))
-    except Exception:  # an older checkpoint without it, or one that does not match: the summary has no metrics
+        metrics = found.json("metrics.json")
+    except Exception:  # an older checkpoint without it: the summary has no metrics
         metrics = {}
     print(complete_line(cfg, found.uri, epoch, step), file=sys.stderr, flush=True)
     return {"run": cfg.run.name, "checkpoint": found.uri, "epochs": epoch, "global_step": step,
@@ -600,21 +612,21 @@ def run_eval(uri: str, overrides: list[str]) -> dict:
     are rebuilt from the checkpoint's own config (``--set`` may change keys such as ``scaling.num_workers``)."""
     import tempfile
 
-    from ray_app.shared.catalog import committed_config, is_checkpoint_name
+    from ray_app.shared.catalog import AT_START, choose
     from ray_app.shared.errors import CheckpointError
 
-    try:  # its manifest and config.json: the workers load the rest; an outage is waited out
-        checkpoint, saved = committed_config(uri, retry_s=retry_budget(overrides))
+    said: set = set()
+    try:  # it verifies (every file read once, its config kept); the workers load the one chosen; an outage is waited out
+        found = choose(uri, keep=CHOSEN_FILES.__contains__, retry_s=retry_budget(overrides), then=AT_START,
+                       say=say_skipped, said=said)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     try:
-        cfg = config_from_dict(saved, overrides)
+        cfg = config_from_dict(found.config, overrides)
     except ConfigError as exc:
         raise ConfigError(f"--set: {exc}") from None
     validate_before_ray(cfg)
-    # a run URI: the workers take its newest checkpoint that loads (a damaged newer one skipped)
-    named = checkpoint if is_checkpoint_name(uri.rstrip("/").rsplit("/", 1)[-1]) else uri
-    m = launch(cfg, {"mode": "eval", "checkpoint": named}, f"eval-{cfg.run.name}",
+    m = launch(cfg, {"mode": "eval", "checkpoint": found.uri, "said": sorted(said)}, f"eval-{cfg.run.name}",
                tempfile.mkdtemp(prefix="ray-app-eval-"))
     return {"checkpoint": m["checkpoint"], "global_step": m["global_step"],
             **{k: v for k, v in m.items() if k.startswith("eval_")},

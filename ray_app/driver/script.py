@@ -54,8 +54,10 @@ def run_script(cfg: Config, script: str, args: list[str]) -> dict:
     preflight(storage)
     storage_path, fs = storage.ray_storage()
     t0 = time.perf_counter()
-    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s):
-        m = launch(cfg, {"mode": "script", "script": script, "args": list(args)}, cfg.run.name, storage_path, fs)
+    with held_run(storage, cfg.run.name, cfg.run.lease_stale_s) as lease:
+        # the script's save() commits only while the lease holds this driver's token (as train mode's checkpoints)
+        m = launch(cfg, {"mode": "script", "script": script, "args": list(args), "lease_token": lease.token},
+                   cfg.run.name, storage_path, fs)
     return {"run": cfg.run.name, "script": script, "world_size": cfg.scaling.num_workers,
             "checkpoint": m.get("checkpoint"), "saves": m.get("saves"), "resumed_from": m.get("resumed_from"),
             "script_seconds": m.get("script_seconds"), "wall_seconds": round(time.perf_counter() - t0, 2),

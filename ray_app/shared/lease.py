@@ -81,10 +81,15 @@ class LocalLeaseFile:
         written. Where the folder has no hard links, ``O_EXCL`` and a write."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{LEASE_FILE}.{uuid.uuid4().hex[:8]}.new")
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk: no temp file left
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
         try:
             os.link(tmp, self.path)
             return True
@@ -127,9 +132,23 @@ class LocalLeaseFile:
         if current is None or current[1] != version:
             return False
         tmp = self.path.with_name(f"{LEASE_FILE}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_bytes(body)
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_bytes(body)
+            os.replace(tmp, self.path)
+        finally:  # a renewal that failed (a full disk) leaves no temp file
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         return True
+
+    def sweep(self, stale_s: float, now: float) -> None:
+        """At a driver's start, holding the lease: the temp files a failed renewal (``.tmp``: only the
+        holder writes them) or a killed driver (``.new``, ``.stale``, once older than ``stale_s``) left."""
+        for f in self.path.parent.glob(f"{LEASE_FILE}.*"):
+            try:
+                if f.suffix == ".tmp" or (f.suffix in (".new", ".stale") and now - f.stat().st_mtime > stale_s):
+                    f.unlink()
+            except FileNotFoundError:
+                pass
 
     def take_over(self, body: bytes, version) -> bool:
         """Replace a stale lease ``version``: of two drivers taking over, one moves it away, the other
@@ -220,6 +239,9 @@ class S3LeaseObject:
         return self._put(body, IfMatch=version)
 
     take_over = replace
+
+    def sweep(self, stale_s: float, now: float) -> None:
+        """Nothing to sweep: conditional writes leave no temp objects."""
 
     def delete(self, version) -> None:
         with contextlib.suppress(Exception):
@@ -365,12 +387,28 @@ class RunLease:
         self.version = None
 
 
+def sweep_leftovers(storage, run: str, lease: RunLease) -> None:
+    """What earlier writers of the run left, removed by the driver that now holds it: uncommitted checkpoint
+    folders older than ``run.lease_stale_s`` (``ray_app.shared.catalog.sweep_uncommitted``; the lease's own
+    temp files go in ``held_run``). Best effort: what cannot be removed now is tried at the next start."""
+    from ray_app.shared.catalog import sweep_uncommitted
+
+    try:
+        sweep_uncommitted(storage, run, lease.stale_s, say=lease.say, now=lease.clock())
+    except Exception as exc:
+        lease.say(f"ray-app: could not remove what earlier writes of run {lease.where} left "
+                  f"({type(exc).__name__}: {exc}); trying again at the next start")
+
+
 @contextlib.contextmanager
 def held_run(storage, run: str, stale_s: float):
-    """The run's lease, held (and renewed) for the ``with`` block, released at its end."""
+    """The run's lease, held (and renewed) for the ``with`` block, released at its end; what earlier writers
+    left uncommitted is swept once it is held (``sweep_leftovers``)."""
     lease = RunLease(lease_store(storage, run), storage.uri(run), stale_s)
     lease.acquire()
+    lease.store.sweep(lease.stale_s, lease.clock())  # before the renewing thread writes temp files of its own
     lease.start_renewing()
+    sweep_leftovers(storage, run, lease)
     try:
         yield lease
     finally:

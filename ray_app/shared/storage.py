@@ -109,6 +109,10 @@ class LocalStorage:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def delete_tree(self, rel: str) -> None:
+        """Remove a folder and everything under it (an uncommitted checkpoint's: ``ray_app.shared.catalog``)."""
+        shutil.rmtree(self._p(rel), ignore_errors=True)
+
     def ray_storage(self):
         """(storage_path, storage_filesystem) for Ray Train's RunConfig."""
         return str(self.root), None
@@ -267,6 +271,16 @@ class S3Storage:
         """A small object, written whole (one PUT)."""
         self._retry(f"writing {rel}", lambda: self.client.put_object(
             Bucket=self.settings.bucket, Key=self._key(rel), Body=data))
+
+    def delete_tree(self, rel: str) -> None:
+        """Remove every object under ``rel/`` (an uncommitted checkpoint's: ``ray_app.shared.catalog``)."""
+        def delete() -> None:
+            keys = [self._key(f"{rel}/{name}") for name in self._list_files(rel)]
+            for i in range(0, len(keys), 1000):
+                self.client.delete_objects(Bucket=self.settings.bucket,
+                                           Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+        self._retry(f"deleting {rel}/", delete)
 
     def pyarrow_fs(self):
         """The filesystem Ray Train writes its own files with (``ray_app.shared.s3fs.pyarrow_s3``)."""

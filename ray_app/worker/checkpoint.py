@@ -1,16 +1,18 @@
-"""What a checkpoint holds, and how it is written, verified, chosen and loaded.
+"""Writing and loading a checkpoint's tensors: the worker's part of its life (the whole life, and the one
+rule that chooses which checkpoint is used: ``ray_app.shared.catalog``).
 
-The loop's checkpoints are written by every rank (``ray_app.worker.sharded``: format ``ray_app.checkpoint/2``,
-DCP), under ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``: the model and optimizer state keyed by
-parameter name (``model/``, ``optim/``), each rank's RNG, the LR schedule, ``state.json`` (position in
-training), ``config.json``, ``metrics.json``, and ``manifest.json`` written last, once every rank's share is
-uploaded. The earlier single-file format (``ray_app.checkpoint/1``: rank 0's ``model.pt``, ``optimizer.pt``,
-``scheduler.pt``, ``rng/rank_{r}.pt``, the JSON files; ``write_checkpoint_dir``) still loads, under either
-strategy. Older checkpoints also hold ``scaler.pt`` (a GradScaler that was never enabled), verified and not
-loaded.
+The loop's checkpoints are written by every rank (``Checkpointer.save_shards`` and ``ray_app.worker.sharded``:
+format ``ray_app.checkpoint/2``, DCP), under ``{run.storage}/{run.name}/ckpt-s{step}-{stamp}/``: the model and
+optimizer state keyed by parameter name (``model/``, ``optim/``), each rank's RNG, and rank 0's small files
+(``CheckpointFiles``: the LR schedule, ``state.json``, ``config.json``, ``metrics.json``); ``manifest.json``
+is written last, once every rank's share is uploaded, after the lease's fence. A write that fails removes
+its folder. The earlier single-file format (``ray_app.checkpoint/1``: rank 0's ``model.pt``,
+``optimizer.pt``, ``scheduler.pt``, ``rng/rank_{r}.pt``, the JSON files) is no longer written and still
+loads, under either strategy. Older checkpoints also hold ``scaler.pt`` (a GradScaler that was never
+enabled), verified and not loaded.
 
-A checkpoint whose manifest is missing or does not match is never loaded; every file is checked against
-its sha256 as it is read. Loading uses ``torch.load(..., weights_only=True)`` only.
+``load`` reads a checkpoint the catalog chose (it verified: every file matches its manifest) from the
+bytes the verification kept; ``torch.load(..., weights_only=True)`` only.
 
 A ``ray-app run`` script's checkpoints (``ray_app.script.save``) live the same way under their run: one
 ``state.pt`` and a manifest of format ``SCRIPT_FORMAT``; the loop never loads them, nor the script the loop's.
@@ -18,37 +20,24 @@ A ``ray-app run`` script's checkpoints (``ray_app.script.save``) live the same w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
-import logging
 import random
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ray_app.shared import catalog
-from ray_app.shared.catalog import (
-    FORMAT,
-    MANIFEST,
-    SHARDED_FORMAT,
-    SINGLE_FILE_FORMAT,
-    Verification,
-    check_manifest,
-    checkpoint_dir_name,
-    read_verified,
-    sha256_file,
-)
+from ray_app.shared.catalog import MANIFEST, SHARDED_FORMAT, TrainState, checkpoint_dir_name, sha256_file
 from ray_app.shared.errors import CheckpointDamaged, CheckpointError, first_line
-
-log = logging.getLogger("ray_app.worker.checkpoint")
-
 
 # ---------------------------------------------------------------- RNG state
 
@@ -83,37 +72,23 @@ def restore_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------- writing
 
 @dataclass
-class CheckpointPayload:
-    """Everything needed to continue training exactly, in the single-file format (rank 0 wrote it all). The kit
-    now writes sharded checkpoints (``Checkpointer.save_shards``); this format's writer stays as its
-    reference, for checkpoints of it that still load and for the tests that make them."""
+class CheckpointFiles:
+    """Rank 0's small files of a checkpoint, beside every rank's share of the model and optimizer: the LR
+    schedule, ``state.json`` (``TrainState``: where training is), the config and the metrics."""
 
-    model: dict
-    optimizer: dict
     scheduler: dict
-    rng_per_rank: list[dict]
-    state: dict  # state.json: epoch, batches_done (in the epoch), global_step, world_size, last_eval (the newest
-    #              eval metrics: a resumed run's summary and checkpoints carry them until it evaluates again)
+    state: TrainState
     config: dict
-    metrics: dict = field(default_factory=dict)
+    metrics: dict
+
+    def write(self, local: Path) -> None:
+        torch.save(self.scheduler, local / "scheduler.pt")
+        for name, obj in (("state.json", self.state.state_dict()), ("config.json", self.config),
+                          ("metrics.json", self.metrics)):
+            (local / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
 
 
-def write_checkpoint_dir(path: Path, payload: CheckpointPayload) -> dict:
-    """Write every file, then the manifest (last). Returns the manifest."""
-    path.mkdir(parents=True, exist_ok=True)
-    for name, obj in (("model.pt", payload.model), ("optimizer.pt", payload.optimizer),
-                      ("scheduler.pt", payload.scheduler)):
-        torch.save(obj, path / name)
-    (path / "rng").mkdir(exist_ok=True)
-    for rank, rng in enumerate(payload.rng_per_rank):
-        torch.save(rng, path / "rng" / f"rank_{rank}.pt")
-    for name, obj in (("state.json", payload.state), ("config.json", payload.config),
-                      ("metrics.json", payload.metrics)):
-        (path / name).write_text(json.dumps(obj, indent=1, sort_keys=True))
-    return write_manifest(path, global_step=payload.state["global_step"], epoch=payload.state["epoch"])
-
-
-def write_manifest(path: Path, *, global_step: int, epoch: int | None, fmt: str = SINGLE_FILE_FORMAT) -> dict:
+def write_manifest(path: Path, *, global_step: int, epoch: int | None, fmt: str) -> dict:
     """The sha256 and size of every file already in ``path``, written last: the checkpoint's commit."""
     files = {}
     for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
@@ -138,13 +113,24 @@ def _cpu_copy(obj):
 
 def upload_checkpoint_dir(local: Path, storage, rel: str, before_commit=None) -> None:
     """Copy a written checkpoint to storage: data files first, the manifest last (the commit), after
-    ``before_commit()`` (the lease's fence: it raises when another driver holds the run)."""
-    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST)
-    for f in files:
-        storage.upload_file(str(f), f"{rel}/{f.relative_to(local).as_posix()}")
-    if before_commit is not None:
-        before_commit()
-    storage.upload_file(str(local / MANIFEST), f"{rel}/{MANIFEST}")
+    ``before_commit()`` (the lease's fence: it raises when another driver holds the run). An upload that
+    fails, or a fence that refuses, leaves no folder behind."""
+    with removed_unless_committed(storage, rel):
+        for f in sorted(p for p in local.rglob("*") if p.is_file() and p.name != MANIFEST):
+            storage.upload_file(str(f), f"{rel}/{f.relative_to(local).as_posix()}")
+        if before_commit is not None:
+            before_commit()
+        storage.upload_file(str(local / MANIFEST), f"{rel}/{MANIFEST}")
+
+
+@contextlib.contextmanager
+def removed_unless_committed(storage, rel: str):
+    """Around a checkpoint's write: on any error its folder in storage goes (``catalog.remove_uncommitted``)."""
+    try:
+        yield
+    except BaseException:
+        catalog.remove_uncommitted(storage, rel)
+        raise
 
 
 # ---------------------------------------------------------------- loading
@@ -156,10 +142,18 @@ class LoadedCheckpoint:
     optimizer: dict
     scheduler: dict
     rng: dict | None
-    state: dict
+    state_json: bytes  # read through ``train_state`` only (``TrainState``: the schema of state.json)
     config: dict
     created: float = 0.0  # unix time the checkpoint was written (from its manifest)
     sharded: object = None  # a sharded checkpoint's ``ray_app.worker.sharded.ShardedRef``: model and optimizer not yet read
+
+    def train_state(self, batch_size: int = 0, world_size: int = 1) -> TrainState:
+        """Where the checkpoint's training was (``batch_size``, ``world_size``: this run's, for older ones)."""
+        return TrainState.from_json(self.state_json, batch_size, world_size)
+
+    @property
+    def global_step(self) -> int:
+        return self.train_state().pos.global_step
 
     def load_into(self, model: torch.nn.Module, optimizer=None) -> None:
         """The model's (and the optimizer's) state into a model of either strategy at any world size: a sharded
@@ -187,97 +181,60 @@ def load_torch_bytes(data: bytes, where: str = "checkpoint file"):
                               f"({type(exc).__name__}: {first}); it is not a plain ray_app checkpoint") from None
 
 
-MODEL_FILES = ("model.pt", "state.json", "config.json")  # what evaluation and export load
+MODEL_FILES = ("model.pt", "state.json", "config.json")  # what evaluation and export load of a single-file one
 
 
-def load_verified(storage, rel: str, rank: int | None = 0, *, model_only: bool = False,
-                  checked: Verification | None = None) -> LoadedCheckpoint:
-    """Load a checkpoint whose manifest checks out (``checked``: its ``check_manifest``, if the caller has it),
-    reading each file once and hashing it as read: CheckpointDamaged if one does not match.
+def needed(rank: int | None, model_only: bool = False):
+    """Which verified files a load keeps the bytes of (``catalog.verify``'s ``keep``): the model (and, unless
+    ``model_only``, the optimizer, the LR schedule and this rank's RNG), ``state.json`` and the config."""
+    own = {*MODEL_FILES, "scheduler.pt", "optimizer.pt", f"rng/rank_{rank}.pt"}
 
-    A restore reads every file the manifest lists, other ranks' RNG files too (small), so every rank comes
-    to the same verdict on the same bytes; ``model_only`` reads only ``MODEL_FILES``."""
-    v = checked if checked is not None else check_manifest(storage, rel, fmt=FORMAT)
-    if not v.ok:
-        raise CheckpointDamaged(storage.uri(rel), v.reason)
-    files = v.manifest["files"]
-    if v.manifest["format"] == SHARDED_FORMAT:
-        return _load_sharded(storage, rel, v.manifest, rank, model_only)
-    rng_name = f"rng/rank_{rank}.pt"
-    used = {*MODEL_FILES, "optimizer.pt", "scheduler.pt", rng_name}
-    data = {}
-    for name in (MODEL_FILES if model_only else sorted(files)):
-        content = read_verified(storage, rel, files, name)
-        if name in used:
-            data[name] = content
+    def keep(name: str) -> bool:
+        if name.startswith("model/") or name in MODEL_FILES:
+            return True
+        return not model_only and (name in own or name.startswith("optim/"))
 
-    def load(name: str):
-        return load_torch_bytes(data[name], f"{storage.uri(rel)}/{name}")
-
-    model = load("model.pt")
-    state = json.loads(data["state.json"])
-    config = json.loads(data["config.json"])
-    created = v.manifest.get("created", 0.0)
-    if model_only:
-        return LoadedCheckpoint(storage.uri(rel), model, {}, {}, None, state, config, created)
-    rng = load(rng_name) if rank is not None and rng_name in data else None
-    return LoadedCheckpoint(storage.uri(rel), model, load("optimizer.pt"),
-                            load("scheduler.pt") if "scheduler.pt" in data else {}, rng, state, config, created)
+    return keep
 
 
-def _load_sharded(storage, rel: str, manifest: dict, rank: int | None, model_only: bool) -> LoadedCheckpoint:
-    """A sharded checkpoint's small files, read and verified; its model and optimizer are read by ``load_into``
-    (resharded, every rank its share), or with ``model_only`` consolidated here, in this process alone."""
-    from ray_app.worker.sharded import ShardedRef
-
-    files = manifest["files"]
-    ref = ShardedRef(storage, rel, files)
-
-    def small(name: str):
-        return read_verified(storage, rel, files, name) if name in files else None
-
-    state, config = json.loads(small("state.json")), json.loads(small("config.json"))
+def load(found: catalog.Found, rank: int | None = 0, *, model_only: bool = False) -> LoadedCheckpoint:
+    """A checkpoint the catalog chose (it verified: ``catalog.good`` / ``choose``), its files taken from the
+    bytes the verification kept (read again, hashed, only if it kept none). ``model_only``: the model,
+    ``state.json`` and the config (evaluation and export)."""
+    where, manifest = found.uri, found.manifest
     created = manifest.get("created", 0.0)
+    state, config = found.read("state.json"), found.json("config.json")
+    if manifest["format"] == SHARDED_FORMAT:
+        from ray_app.worker.sharded import ShardedRef
+
+        ref = ShardedRef(found.storage, found.rel, manifest["files"], found.verification.contents)
+        if model_only:
+            return LoadedCheckpoint(where, ref.consolidate_model(), {}, {}, None, state, config, created)
+        scheduler = load_torch_bytes(found.read("scheduler.pt"), f"{where}/scheduler.pt") \
+            if "scheduler.pt" in manifest["files"] else {}
+        return LoadedCheckpoint(where, None, None, scheduler, _rng(found, rank), state, config, created, sharded=ref)
+    model = load_torch_bytes(found.read("model.pt"), f"{where}/model.pt")
     if model_only:
-        return LoadedCheckpoint(storage.uri(rel), ref.consolidate_model(), {}, {}, None, state, config, created)
-    where = storage.uri(rel)
-    scheduler, rng = small("scheduler.pt"), small(f"rng/rank_{rank}.pt") if rank is not None else None
-    return LoadedCheckpoint(where, None, None, load_torch_bytes(scheduler, f"{where}/scheduler.pt") if scheduler else {},
-                            load_torch_bytes(rng, f"{where}/rng/rank_{rank}.pt") if rng else None, state, config,
-                            created, sharded=ref)
+        return LoadedCheckpoint(where, model, {}, {}, None, state, config, created)
+    files = manifest["files"]
+    return LoadedCheckpoint(where, model, load_torch_bytes(found.read("optimizer.pt"), f"{where}/optimizer.pt"),
+                            load_torch_bytes(found.read("scheduler.pt"), f"{where}/scheduler.pt")
+                            if "scheduler.pt" in files else {}, _rng(found, rank), state, config, created)
 
 
-def load_newest(storage, run: str, rank: int | None, warn=log.warning, *,
-                model_only: bool = False) -> LoadedCheckpoint | None:
-    """The newest checkpoint of ``run`` that loads (``ray_app.shared.catalog.find``): one whose manifest does not
-    check out, or whose files do not match it, is skipped with a warning. Storage errors propagate."""
-    for found in catalog.find(storage, run, check=catalog.MANIFEST_OK, warn=warn):
-        try:
-            return load_verified(storage, found.rel, rank, model_only=model_only, checked=found.verification)
-        except CheckpointDamaged as exc:
-            warn(f"skipping checkpoint {exc.uri}: {exc.reason}")
-    return None
+def _rng(found: catalog.Found, rank: int | None) -> dict | None:
+    name = f"rng/rank_{rank}.pt"
+    if rank is None or name not in found.manifest["files"]:
+        return None  # a rank the checkpoint's world did not have
+    return load_torch_bytes(found.read(name), f"{found.uri}/{name}")
 
 
-def resolve_checkpoint_uri(uri: str, retry_s: float = 0.0) -> tuple[object, str]:
-    """A checkpoint URI, or a run URI (-> its newest checkpoint whose manifest checks out), as (storage, rel)
-    (``ray_app.shared.catalog``). No file but manifests is read: ``load_verified`` hashes what it loads."""
-    found = catalog.named_or_newest(uri, check=catalog.MANIFEST_OK, retry_s=retry_s, warn=log.warning)
-    return found.storage, found.rel
-
-
-def load_named_or_newest(uri: str, rank: int | None, *, model_only: bool = False, retry_s: float = 0.0,
-                         then: str | None = None, warn=log.warning) -> LoadedCheckpoint:
-    """The checkpoint a URI names (one whose files do not match its manifest: ``CheckpointError``), or the
-    newest of a run URI that loads (damaged newer ones skipped with ``warn``): ``ray-app eval`` and export."""
-    storage, run, name = catalog.locate(uri, retry_s, then)
-    if name is not None:
-        found = catalog.named_or_newest(uri, check=catalog.MANIFEST_OK, retry_s=retry_s, then=then)
-        return load_verified(found.storage, found.rel, rank, model_only=model_only, checked=found.verification)
-    loaded = load_newest(storage, run, rank, warn, model_only=model_only)
-    if loaded is None:
-        catalog.no_checkpoint(uri, storage, run)
-    return loaded
+def load_uri(uri: str, rank: int | None = None, *, model_only: bool = False, retry_s: float = 0.0,
+             then: str | None = None, say=None, said: set | None = None) -> LoadedCheckpoint:
+    """The checkpoint a URI names, or a run URI's newest that verifies (``catalog.choose``), loaded:
+    ``ray-app eval``, ``checkpoints export`` and a warm start."""
+    found = catalog.choose(uri, keep=needed(rank, model_only), retry_s=retry_s, then=then, say=say, said=said)
+    return load(found, rank, model_only=model_only)
 
 
 class Checkpointer:
@@ -298,9 +255,10 @@ class Checkpointer:
     """
 
     def __init__(self, storage, run: str, report, *, every_epochs: int = 1, every_steps: int = 0,
-                 resume_from: str = "", warn=log.warning, staged: bool = False, retry_s: float = 0.0,
-                 wait_s: float = 300.0, writer: str = "thread"):
+                 resume_from: str = "", warn=None, staged: bool = False, retry_s: float = 0.0,
+                 wait_s: float = 300.0, writer: str = "thread", said=()):
         self.storage, self.run, self._report, self.resume_from, self.warn = storage, run, report, resume_from, warn
+        self.said = set(said)  # the checkpoints already said to be skipped (by the driver): not said again
         self.retry_s = retry_s  # the budget of run.resume_from's storage (failure.storage_retry_s)
         self.every_epochs, self.every_steps, self.staged = every_epochs, every_steps, staged
         self.last_uri: str | None = None
@@ -341,19 +299,22 @@ class Checkpointer:
 
     # ------------------------------------------------------------ restore
     def restore(self, rank: int, put_back=None) -> LoadedCheckpoint | None:
-        """The newest checkpoint of this run that loads (broken newer ones skipped with a warning), else
-        run.resume_from's (a warm start), else None for a fresh start. Each file is read once.
+        """The newest checkpoint of this run that verifies (``catalog.good``: damaged or uncommitted newer ones
+        skipped, each said once), else run.resume_from's (a warm start), else None for a fresh start. Each
+        file is read once: verified, and loaded from the bytes the verification kept.
 
-        ``put_back(loaded)`` loads its state into the model (every rank, at the same point): a sharded
-        checkpoint's shares are read, and found damaged, only there, so a damaged one is skipped for the
-        next older one after it too (every rank gets the same verdict: DCP gathers each rank's failure)."""
+        ``put_back(loaded)`` loads its state into the model (every rank, at the same point); one that fails
+        there as damaged (changed since it verified) is skipped for the next older one too (every rank gets
+        the same verdict: DCP gathers each rank's failure)."""
         put_back = put_back or (lambda loaded: None)
-        for found in catalog.find(self.storage, self.run, check=catalog.MANIFEST_OK, warn=self.warn):
+        for found in catalog.good(self.storage, self.run, keep=needed(rank), say=self.warn, said=self.said):
             try:
-                loaded = load_verified(self.storage, found.rel, rank, checked=found.verification)
+                loaded = load(found, rank)
                 put_back(loaded)
             except CheckpointDamaged as exc:
-                self.warn(f"skipping checkpoint {exc.uri}: {exc.reason}")
+                self.said.add(found.name)
+                if self.warn is not None:
+                    self.warn(f"ray-app: skipped {exc.uri}: {exc.reason}")
                 continue
             self.last_uri = loaded.uri
             return loaded
@@ -361,7 +322,7 @@ class Checkpointer:
             return None
         self.warm_start = True
         try:
-            loaded = load_named_or_newest(self.resume_from, rank, retry_s=self.retry_s, warn=self.warn)
+            loaded = load_uri(self.resume_from, rank, retry_s=self.retry_s, say=self.warn, said=self.said)
             put_back(loaded)
         except CheckpointError as exc:
             raise CheckpointError(f"run.resume_from {self.resume_from}: {exc}") from None
@@ -375,13 +336,14 @@ class Checkpointer:
         one, so the loop takes rank 0's and passes it to ``save_shards`` on every rank."""
         return checkpoint_dir_name(global_step)
 
-    def save_shards(self, model: torch.nn.Module, optimizer, shared: dict | None, rng: dict, metrics: dict, *,
-                    rank: int, world_size: int, name: str) -> float:
+    def save_shards(self, model: torch.nn.Module, optimizer, files: CheckpointFiles | None, rng: dict, metrics: dict,
+                    *, rank: int, world_size: int, name: str) -> float:
         """Every rank, at the same point: write this rank's share of a sharded checkpoint (``ray_app.worker.sharded``)
-        and report it; rank 0 (``shared``: its files by name, ``scheduler.pt``, ``state.json``, ...) commits it
-        once every rank's share is uploaded. Staged (``checkpoint.upload: async``): the state is copied (the
-        time training is blocked: this rank's share), then written and uploaded on a background thread over a
-        gloo group of its own. Returns the seconds training was blocked."""
+        and report it; rank 0 (``files``: its small files) commits it once every rank's share is uploaded.
+        Staged (``checkpoint.upload: async``): the state is copied (the time training is blocked: this rank's
+        share), then written and uploaded on a background thread over a gloo group of its own. A write, an
+        upload or a commit that fails removes the checkpoint's folder (and the local staging) before it raises.
+        Returns the seconds training was blocked."""
         from ray_app.worker import sharded
         from ray_app.worker.strategy import sync_buffers, train_state
 
@@ -394,13 +356,14 @@ class Checkpointer:
             sharded.check_shared_memory(sharded.share_bytes(model_sd, optim_sd), rank)
             self._stager = sharded.shared_memory_stager()
         local = Path(tempfile.mkdtemp(prefix="ray-app-ckpt-"))
-        (local / "rng").mkdir()
-        torch.save(rng, local / "rng" / f"rank_{rank}.pt")
-        for fname, obj in (shared or {}).items():
-            if fname.endswith(".json"):
-                (local / fname).write_text(json.dumps(obj, indent=1, sort_keys=True))
-            else:
-                torch.save(obj, local / fname)
+        try:
+            (local / "rng").mkdir()
+            torch.save(rng, local / "rng" / f"rank_{rank}.pt")
+            if files is not None:
+                files.write(local)
+        except BaseException:
+            cleanup_local(local)
+            raise
         if self.staged:
             group = self._share_group()
             if self.writer == "process":
@@ -412,8 +375,9 @@ class Checkpointer:
 
             def share() -> None:
                 try:
-                    write()
-                    sharded.upload_share(local, self.storage, rel, rank)
+                    with removed_unless_committed(self.storage, rel):
+                        write()
+                        sharded.upload_share(local, self.storage, rel, rank)
                 except BaseException as exc:  # raised on the training thread at the next checkpoint or the end
                     self._share_error = exc
                 finally:
@@ -423,8 +387,9 @@ class Checkpointer:
             self._share.start()
         else:
             try:
-                sharded.write_state(local, model_sd, optim_sd)
-                sharded.upload_share(local, self.storage, rel, rank)
+                with removed_unless_committed(self.storage, rel):
+                    sharded.write_state(local, model_sd, optim_sd)
+                    sharded.upload_share(local, self.storage, rel, rank)
             finally:
                 cleanup_local(local)
         self.last_uri = self.storage.uri(self.run, name)
@@ -435,12 +400,13 @@ class Checkpointer:
             if self._uploaded is not None:
                 self._uploaded.wait()  # one commit in flight at a time
             uploaded = self._uploaded = threading.Event()
-            epoch = (shared or {}).get("state.json", {}).get("epoch", 0)
+            epoch = files.state.pos.epoch if files is not None else 0
 
             def commit(local_dir: Path, dir_name: str) -> None:
                 try:
-                    sharded.commit(self.storage, f"{self.run}/{dir_name}", world_size, global_step=metrics["global_step"],
-                                   epoch=epoch, wait_s=self.wait_s, before_commit=self.before_commit, local=local_dir)
+                    with removed_unless_committed(self.storage, f"{self.run}/{dir_name}"):
+                        sharded.commit(self.storage, f"{self.run}/{dir_name}", world_size,
+                                       global_step=metrics["global_step"], epoch=epoch, wait_s=self.wait_s, before_commit=self.before_commit, local=local_dir)
                     if self.on_commit is not None:
                         self.on_commit(self.storage.uri(self.run, dir_name), metrics["global_step"])
                 finally:

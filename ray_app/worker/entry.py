@@ -89,6 +89,11 @@ class RayRuntime:
             cleanup_local(local_dir)
 
 
+def rank0_say(rank: int):
+    """Rank 0's one line to the run's output (a checkpoint skipped), None on the other ranks."""
+    return (lambda line: print(line, flush=True)) if rank == 0 else None
+
+
 def ddp_options(cfg: Config) -> dict:
     """DDP's keyword arguments from the config (``train.find_unused_parameters``, ``train.static_graph``)."""
     return {"find_unused_parameters": cfg.train.find_unused_parameters, "static_graph": cfg.train.static_graph}
@@ -130,8 +135,8 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
                                 every_steps=cfg.checkpoint.every_steps, resume_from=cfg.run.resume_from,
                                 staged=cfg.checkpoint.upload == "async", writer=cfg.checkpoint.async_writer,
                                 retry_s=cfg.failure.storage_retry_s,
-                                wait_s=cfg.failure.hang_timeout_s,
-                                warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
+                                wait_s=cfg.failure.hang_timeout_s, said=job.get("said", ()),
+                                warn=rank0_say(runtime.rank))
     if job.get("lease_token"):  # no commit once another driver holds the run (this one's was killed)
         from ray_app.shared.lease import fence
 
@@ -218,23 +223,23 @@ def preemption_agreement(cfg: Config):
     return Agreement(group, enabled=enabled)
 
 
-def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str) -> tuple[dict, object]:
+def _eval(cfg: Config, runtime: RayRuntime, stats, checkpoint: str, said=()) -> tuple[dict, object]:
     """Build the checkpoint's data, model and task, load its weights, evaluate exactly."""
     from ray_app.shared.errors import CheckpointError
-    from ray_app.worker.checkpoint import load_named_or_newest
+    from ray_app.worker.checkpoint import load_uri
     from ray_app.worker.loop import Trainer
     from ray_app.worker.metrics import NullMetrics
     from ray_app.worker.parts import build_parts
 
     parts = build_parts(cfg, runtime)
     try:  # the driver read only the config: a damaged file is found here, and is bad input (exit 2)
-        loaded = load_named_or_newest(checkpoint, rank=None, model_only=True, retry_s=cfg.failure.storage_retry_s,
-                                      warn=lambda m: print(f"WARNING: {m}", flush=True) if runtime.rank == 0 else None)
+        loaded = load_uri(checkpoint, rank=None, model_only=True, retry_s=cfg.failure.storage_retry_s,
+                          say=rank0_say(runtime.rank), said=set(said))
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
     loaded.load_into(parts.model)  # consolidated (model_only): the whole state, each rank's part cut from it
     trainer = Trainer(cfg, runtime, parts, checkpointer=None, metrics=NullMetrics(), stats=stats)
-    result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.state.get("global_step"))
+    result = dict(trainer.evaluate(), checkpoint=loaded.uri, global_step=loaded.global_step)
     runtime.report(result)
     return result, trainer
 
@@ -245,7 +250,7 @@ def _run_mode(job: dict, cfg: Config, runtime: RayRuntime, stats) -> dict:
 
         return run_in_worker(job, runtime)  # the script's own errors come back as UserCodeError
     if job["mode"] == "eval":
-        return _eval(cfg, runtime, stats, job["checkpoint"])[0]
+        return _eval(cfg, runtime, stats, job["checkpoint"], job.get("said", ()))[0]
     return _train(cfg, runtime, stats, job)[0]
 
 

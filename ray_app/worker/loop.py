@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from ray_app import __version__
+from ray_app.shared.catalog import Position, TrainState
 from ray_app.shared.config import Config
 from ray_app.shared.errors import Preempted, Stopped
-from ray_app.worker.checkpoint import capture_rng_state
+from ray_app.worker.checkpoint import CheckpointFiles, capture_rng_state
 from ray_app.worker.collectives import entered
 from ray_app.worker.ddp import to_device
 from ray_app.worker.evaluation import Evaluator
@@ -52,7 +53,7 @@ from ray_app.worker.pace import Pace
 from ray_app.worker.parts import Parts, Runtime
 from ray_app.worker.preemption import STOP, TRAINING, Agreement
 from ray_app.worker.progress import MetricsSink, Progress, RunStats
-from ray_app.worker.resume import Position, TrainState, restore
+from ray_app.worker.resume import restore
 from ray_app.worker.strategy import no_sync
 
 # ---------------------------------------------------------------- the loop
@@ -271,13 +272,13 @@ class Trainer:
             dist.broadcast_object_list(names, src=0)
         metrics = dict(self._metrics_dict(), **(metrics or {}))
         loss_sums = self.progress.epoch_sums(self.pos.batches_done)  # sync point (mid-epoch): the epoch's global loss sums
-        shared = None
+        files = None
         if self.is_rank0:  # the small files; every rank writes its share of the model, the optimizer and its RNG
-            shared = {"scheduler.pt": self.scheduler.state_dict(), "config.json": self.cfg.to_dict(),
-                      "state.json": TrainState(self.pos, self.world_size, self.last_eval,
-                                               self.metrics.checkpoint_state(), loss_sums).state_dict(),
-                      "metrics.json": metrics}
-        self._account(self.ckpt.save_shards(self.model, self.optimizer, shared, capture_rng_state(), metrics,
+            files = CheckpointFiles(self.scheduler.state_dict(),
+                                    TrainState(self.pos, self.world_size, self.last_eval, self.metrics.checkpoint_state(),
+                                               loss_sums),
+                                    self.cfg.to_dict(), metrics)
+        self._account(self.ckpt.save_shards(self.model, self.optimizer, files, capture_rng_state(), metrics,
                                             rank=self.rank, world_size=self.world_size, name=names[0]))
         self._checkpointed_at = self.pos.global_step
 

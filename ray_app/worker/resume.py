@@ -1,4 +1,4 @@
-"""Resuming: where training is (``Position``), restoring it from the newest good checkpoint, re-sharding
+"""Resuming: where training is (``Position``, ``ray_app.shared.catalog``'s), restoring it from the newest good checkpoint, re-sharding
 the rest of an epoch at another world size, and what the config may change on resume.
 
 ``restore`` loads the checkpoint the checkpointer finds (each file read once, verified as read), puts its
@@ -11,58 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ray_app.shared.catalog import Position
 from ray_app.shared.config import Config, resume_conflicts
 from ray_app.shared.errors import CheckpointError, PluginError, first_line
 from ray_app.worker.checkpoint import restore_rng_state
 from ray_app.worker.ddp import seed_everything
-
-
-@dataclass
-class Position:
-    """Where training is: epoch (0-based), batches done in it (on each rank), optimizer steps so far, and
-    the samples of the epoch's order read so far by all ranks together (what a resume at another world
-    size starts from), and the world size the epoch started at (the streamed shards' order is cut into
-    that many blocks; 0 before the first epoch starts)."""
-
-    epoch: int = 0
-    batches_done: int = 0
-    global_step: int = 0
-    samples_done: int = 0
-    epoch_world_size: int = 0
-
-
-@dataclass
-class TrainState:
-    """The one schema of a checkpoint's ``state.json``, written (``state_dict``) and read (``from_state_dict``)
-    here only: where training is, the world size it was at, the newest eval metrics (a resumed run's summary
-    and checkpoints carry them until it evaluates again), the trackers' state (the MLflow run id, ...) and the
-    epoch's loss so far: the global (sum of loss x samples, samples) of its batches up to ``pos`` (a run resumed
-    mid-epoch reports the whole epoch's loss, the steps re-done after a failure counted once)."""
-
-    pos: Position
-    world_size: int
-    last_eval: dict = field(default_factory=dict)
-    tracking: dict = field(default_factory=dict)
-    epoch_loss: tuple[float, float] = (0.0, 0.0)
-
-    def state_dict(self) -> dict:
-        p = self.pos
-        return {"epoch": p.epoch, "batches_done": p.batches_done, "samples_done": p.samples_done,
-                "epoch_world_size": p.epoch_world_size, "global_step": p.global_step, "world_size": self.world_size,
-                "last_eval": self.last_eval, "tracking": self.tracking,
-                "epoch_loss_sum": float(self.epoch_loss[0]), "epoch_loss_samples": float(self.epoch_loss[1])}
-
-    @classmethod
-    def from_state_dict(cls, s: dict, batch_size: int, world_size: int) -> TrainState:
-        """Older checkpoints lack some keys: their samples read so far follow from the batches done at their
-        world size, and their epoch started at that world size (``world_size``: this run's, if theirs is missing);
-        without the epoch's loss sums, the epoch's loss is that of the steps after the resume (sums from zero)."""
-        saved_world = s.get("world_size", world_size)
-        pos = Position(s["epoch"], s["batches_done"], s["global_step"],
-                       s.get("samples_done", s["batches_done"] * batch_size * saved_world),
-                       s.get("epoch_world_size", saved_world))
-        epoch_loss = (float(s.get("epoch_loss_sum", 0.0)), float(s.get("epoch_loss_samples", 0.0)))
-        return cls(pos, saved_world, s.get("last_eval", {}), s.get("tracking", {}), epoch_loss)
 
 
 @dataclass
@@ -107,7 +60,7 @@ def restore(cfg: Config, parts, checkpointer, rank: int, world_size: int, say=pr
         return None
     if loaded.scheduler:
         parts.scheduler.load_state_dict(loaded.scheduler)
-    state = TrainState.from_state_dict(loaded.state, cfg.data.batch_size, world_size)
+    state = loaded.train_state(cfg.data.batch_size, world_size)
     pos, saved_world = state.pos, state.world_size
     if saved_world != world_size:
         reshard(cfg, parts, pos, saved_world, world_size, say)

@@ -44,8 +44,8 @@ storage (a folder or S3), and reports it to Ray Train, which keeps the newest ``
 ``ray-app checkpoints list|verify`` read them (N as the step, an int ``state["epoch"]`` as the epoch).
 Every rank reports (``ray.train.report`` is a barrier), so ``save`` is a synchronisation point.
 
-``load()``: the state of the run's newest checkpoint whose manifest matches (broken or partial ones are
-skipped with a warning), the same checkpoint on every rank (rank 0 chooses), tensors on the CPU
+``load()``: the state of the run's newest checkpoint that verifies (broken or partial ones are skipped,
+each with one line), the same checkpoint on every rank (rank 0 chooses), tensors on the CPU
 (``load_state_dict`` copies them to the device). A run resumes by its ``run.name``: running a finished
 run's name again loads its last state; another name starts fresh. What is saved is what resumes: the
 data order, RNG states and anything else the script needs to continue exactly are the script's to save.
@@ -82,13 +82,17 @@ def run_in_worker(job: dict, runtime) -> dict:
     exception or non-zero exit of the script comes back as a ``UserCodeError`` the driver shows once."""
     import ray.train
 
-    from ray_app.shared.errors import PeerLost, UserCodeError
+    from ray_app.shared.errors import PeerLost, RunHeld, UserCodeError
 
     global _SESSION
     started = time.time()
     script = _script_here(job["script"])
     os.environ.update(torchrun_env(ray.train.get_context(), runtime.run))
     session = _SESSION = _Session(runtime.storage, runtime.run, runtime.rank, runtime.world_size, runtime.report)
+    if job.get("lease_token"):  # no commit once another driver holds the run (this one's was killed)
+        from ray_app.shared.lease import fence
+
+        session.before_commit = fence(runtime.storage, runtime.run, job["lease_token"])
     script_start, t0 = time.time(), time.perf_counter()
     try:
         with kit_process_group(say=print if runtime.rank == 0 else None):
@@ -97,6 +101,8 @@ def run_in_worker(job: dict, runtime) -> dict:
         lost = PeerLost.of(exc, runtime.rank, leaving=False)  # another rank is gone: not the script's bug
         if lost is not None:
             raise lost from None
+        if isinstance(exc, RunHeld):  # save()'s fence: another driver holds the run, not the script's bug
+            raise exc from None
         wrapped = UserCodeError.from_exception(exc, runtime.rank, session.progress, script_roots(script))
         if wrapped is None:
             raise
@@ -226,6 +232,7 @@ class _Session:
     saves: int = 0
     loaded: str | None = None
     last: str | None = None
+    before_commit: Callable | None = None  # the lease's fence before each manifest (ray_app.shared.lease.fence)
 
 
 _SESSION: _Session | None = None
@@ -253,15 +260,21 @@ def load() -> dict | None:
     s = _SESSION
     if s is None:
         return None
-    name = _agree(s, _newest(s) if s.rank == 0 else None)
-    if name is None:
-        return None
-    from ray_app.shared.catalog import MANIFEST, read_verified
+    from ray_app.shared.catalog import MANIFEST, SCRIPT_FORMAT, newest_good, read_verified
     from ray_app.worker.checkpoint import load_torch_bytes
 
+    found = newest_good(s.storage, s.run, fmt=SCRIPT_FORMAT, keep=STATE_FILE.__eq__,
+                        say=lambda line: print(line, flush=True)) if s.rank == 0 else None
+    name = _agree(s, found.name if found is not None else None)  # rank 0 chose: every file verified, once
+    if name is None:
+        return None
     rel = f"{s.run}/{name}"
-    manifest = json.loads(s.storage.read_bytes(f"{rel}/{MANIFEST}"))  # rank 0 verified it all just now
-    state = load_torch_bytes(read_verified(s.storage, rel, manifest["files"], STATE_FILE), s.storage.uri(rel))
+    if found is not None:
+        manifest, raw = found.manifest, found.read(STATE_FILE)
+    else:
+        manifest = json.loads(s.storage.read_bytes(f"{rel}/{MANIFEST}"))
+        raw = read_verified(s.storage, rel, manifest["files"], STATE_FILE)
+    state = load_torch_bytes(raw, s.storage.uri(rel))
     s.progress, s.loaded = int(manifest["global_step"]), s.storage.uri(rel)
     if s.rank == 0:
         print(f"ray-app: resuming from {s.loaded} (save {s.progress})", flush=True)
@@ -284,7 +297,8 @@ def _write_and_report(s: _Session, state: dict, metrics: dict) -> str:
     name = checkpoint_dir_name(number)
     uri = s.storage.uri(s.run, name)
     s.report(dict(metrics, checkpoint=uri), local, name,
-             lambda local_dir, dir_name: upload_checkpoint_dir(local_dir, s.storage, f"{s.run}/{dir_name}"))
+             lambda local_dir, dir_name: upload_checkpoint_dir(local_dir, s.storage, f"{s.run}/{dir_name}",
+                                                               before_commit=s.before_commit))
     return uri
 
 
@@ -292,14 +306,6 @@ def _after_newest(storage, run: str) -> int:
     from ray_app.shared.catalog import list_checkpoints, step_of
 
     return max((step_of(n) or 0 for n in list_checkpoints(storage, run)), default=0) + 1
-
-
-def _newest(s: _Session) -> str | None:
-    from ray_app.shared.catalog import SCRIPT_FORMAT, newest_verified
-
-    name, _ = newest_verified(s.storage, s.run, warn=lambda m: print(f"ray-app: WARNING: {m}", flush=True),
-                              fmt=SCRIPT_FORMAT)
-    return name
 
 
 def _agree(s: _Session, value):

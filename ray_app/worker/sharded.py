@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ray_app.shared.catalog import MANIFEST, SHARDED_FORMAT, read_verified, sha256_file
-from ray_app.shared.errors import CheckpointError, StorageError
+from ray_app.shared.errors import CheckpointError, StorageError, first_line
 
 PARTS = "parts"
 
@@ -71,8 +71,17 @@ def _is_dtensor(t) -> bool:
 def write_state(local: Path, model_sd: dict, optim_sd: dict, group=None) -> None:
     """This rank's share of the model and optimizer state into ``local/model`` and ``local/optim`` (every rank
     calls this at the same point: DCP plans the save over ``group``, the default one when None)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     for name, sd in (("model", model_sd), ("optim", optim_sd)):
-        dcp.save(sd, storage_writer=FileSystemWriter(local / name, sync_files=False), process_group=group)
+        try:
+            dcp.save(sd, storage_writer=FileSystemWriter(local / name, sync_files=False), process_group=group)
+        except CheckpointException as exc:  # DCP's BaseException: a local write failed (a full disk, most likely)
+            inner = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+            why = f"{type(inner[0]).__name__}: {first_line(inner[0], 200)}" if inner else first_line(exc, 200)
+            raise StorageError(f"{local}: writing this rank's share of a checkpoint failed ({why}); free space in "
+                               "the temp folder (TMPDIR) of the workers; the same run then resumes from its newest "
+                               "committed checkpoint") from None
 
 
 class _AsStaged:
@@ -215,15 +224,18 @@ class VerifiedReader(FileSystemReader):
     """DCP's file reader over a local cache that fetches, from the kit's storage, only the files a load reads,
     each checked against the manifest's sha256 as it arrives (``CheckpointDamaged`` if it does not match)."""
 
-    def __init__(self, storage, rel: str, files: dict, sub: str, cache: Path):
+    def __init__(self, storage, rel: str, files: dict, sub: str, cache: Path, contents: dict | None = None):
         super().__init__(cache / sub)
         self._storage, self._rel, self._files, self._sub, self._cache = storage, rel, files, sub, cache
+        self._contents = {} if contents is None else contents  # bytes the catalog's verification kept
 
     def _fetch(self, name: str) -> None:
         target = self._cache / self._sub / name
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(read_verified(self._storage, self._rel, self._files, f"{self._sub}/{name}"))
+            key = f"{self._sub}/{name}"
+            data = self._contents.get(key)
+            target.write_bytes(data if data is not None else read_verified(self._storage, self._rel, self._files, key))
 
     def read_metadata(self, *args, **kwargs):
         self._fetch(".metadata")
@@ -258,13 +270,14 @@ def _load(state: dict, reader: VerifiedReader, *, everything: bool = False) -> N
 
 
 class ShardedRef:
-    """A committed sharded checkpoint, not yet read: what ``load_into`` and ``consolidate_model`` read from."""
+    """A committed sharded checkpoint, not yet read: what ``load_into`` and ``consolidate_model`` read from
+    (``contents``: the verified bytes the catalog kept, so nothing is read twice)."""
 
-    def __init__(self, storage, rel: str, files: dict):
-        self.storage, self.rel, self.files = storage, rel, files
+    def __init__(self, storage, rel: str, files: dict, contents: dict | None = None):
+        self.storage, self.rel, self.files, self.contents = storage, rel, files, contents
 
     def _reader(self, sub: str, cache: Path) -> VerifiedReader:
-        return VerifiedReader(self.storage, self.rel, self.files, sub, cache)
+        return VerifiedReader(self.storage, self.rel, self.files, sub, cache, self.contents)
 
     def load_into(self, model: torch.nn.Module, optimizer=None) -> None:
         """Every rank: the model's (and the optimizer's) state from the checkpoint, resharded to this run's world

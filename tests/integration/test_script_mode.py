@@ -7,7 +7,10 @@
   its traceback once, retried once and not to the end of failure.max_failures;
 - the same script through ``ray job submit --working-dir .`` is e2e/test_cluster.py's (a cluster of containers);
 - a worker SIGKILLed mid-run: with ``ray_app.script.save``/``load`` the run resumes from the newest save
-  and ends on the uninterrupted run's parameters; without them it restarts from its beginning and finishes.
+  and ends on the uninterrupted run's parameters; without them it restarts from its beginning and finishes;
+- a driver that stops answering (SIGSTOP: its Ray and its workers live on, as behind a lost driver host),
+  then SIGKILLed: the same command run again takes the run over, and the first driver's workers commit
+  nothing after that (the lease's fence in ``save``).
 """
 
 from __future__ import annotations
@@ -186,3 +189,54 @@ def test_a_killed_worker_without_checkpoints_restarts_the_script_and_finishes(pr
     assert "resuming from" not in out
     assert len([ln for ln in lines_of(out) if ln.startswith("epoch 0 ")]) == 2  # from its beginning, twice
     assert lines_of(out)[-1] == uninterrupted
+
+
+# ---------------------------------------------------------------- a driver lost while its workers live on
+
+def _saves(run_dir: Path) -> list[tuple[float, str]]:
+    """(manifest's time, the script's tag) of each committed save of the run."""
+    import torch
+
+    out = []
+    for manifest in run_dir.glob("ckpt-s*/manifest.json"):
+        state = torch.load(manifest.parent / "state.pt", weights_only=True)
+        out.append((json.loads(manifest.read_text())["created"], state["tag"]))
+    return sorted(out)
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_drivers_script_workers_commit_nothing_once_the_run_is_taken_over(project, tmp_path):
+    stale = 8.0
+    args = ["--set", f"run.storage={tmp_path}", "--set", "run.name=fenced", "--set", f"run.lease_stale_s={stale}",
+            "--set", "scaling.num_workers=1", "train.py", "--epochs", "80", "--sleep", "0.4", "--checkpoint"]
+    run_dir = tmp_path / "fenced"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    full_env.pop("RAY_ADDRESS", None)
+    first = subprocess.Popen([str(BIN / "ray-app"), "run", *args, "--tag", "first"], cwd=project, env=full_env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    second_log = tmp_path / "second.log"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and len(_saves(run_dir)) < 2 and first.poll() is None:
+            time.sleep(0.2)
+        assert first.poll() is None and len(_saves(run_dir)) >= 2, "the first run never saved twice"
+        first.send_signal(signal.SIGSTOP)  # the driver only: its lease is no longer renewed, its workers go on
+        time.sleep(stale / 2 + 1)  # a lease that missed its renewals: the second driver waits until it is stale
+        with open(second_log, "w") as log:
+            second = subprocess.Popen([str(BIN / "ray-app"), "run", *args, "--epochs", "2", "--tag", "second"],
+                                      cwd=project, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            taken_at = None
+            while second.poll() is None and time.time() < deadline + 120:
+                if taken_at is None and "ray-app: taking over run" in second_log.read_text():
+                    taken_at = time.time()
+                time.sleep(0.1)
+            second.wait(timeout=60)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    text = second_log.read_text()
+    assert second.returncode == 0 and taken_at is not None, text[-4000:]
+    saves = _saves(run_dir)
+    late = [(at - taken_at, tag) for at, tag in saves if tag == "first" and at > taken_at + 1.0]
+    assert not late, (late, text[-3000:])  # the first driver's workers: nothing after the take-over
+    assert any(tag == "second" for _, tag in saves) or "resuming from" in text, text[-3000:]

@@ -147,7 +147,7 @@ def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_che
     # the upload's outage, then the restore's, each restart one line
     assert len(restarts) >= 2 and restarts == [str(i) for i in range(1, len(restarts) + 1)], text[-4000:]
     assert "Traceback" not in text and "Error in training function" not in text, text[-4000:]
-    assert "skipping checkpoint s3://" not in text or "ckpt-s000000008" not in text.split("skipping")[-1][:200]
+    assert "ray-app: skipped s3://" not in text or "ckpt-s000000008" not in text.split("skipped")[-1][:200]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert summary["resumed_from_step"] == 8, summary  # the first checkpoint: the second never committed

@@ -51,6 +51,7 @@ TRAIN = '''
         p.add_argument("--mark", default="")                       # a folder: each rank's env, finished epochs
         p.add_argument("--checkpoint", action="store_true")        # use ray_app.script's save / load
         p.add_argument("--where", action="store_true")             # every rank says where it runs
+        p.add_argument("--tag", default="")                        # saved with each checkpoint: whose it is
         args = p.parse_args()
 
         dist.init_process_group("gloo")
@@ -101,7 +102,8 @@ TRAIN = '''
             if rank == 0:
                 print(f"epoch {epoch} eval_accuracy {torch.cat(gathered).double().mean().item():.6f}", flush=True)
             if args.checkpoint:
-                kit.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch})
+                kit.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                          "tag": args.tag})
             if args.mark and rank == 0:
                 open(os.path.join(args.mark, f"epoch-{epoch}"), "w").close()
             time.sleep(args.sleep)

@@ -16,21 +16,31 @@ import numpy as np
 import pytest
 import torch
 
-from ray_app.shared.catalog import MANIFEST, checkpoint_dir_name, list_checkpoints, manifest_format, newest_committed_config, newest_verified, verify
+from ray_app.shared import catalog
+from ray_app.shared.catalog import (
+    MANIFEST,
+    SINGLE_FILE_FORMAT,
+    checkpoint_dir_name,
+    choose,
+    list_checkpoints,
+    manifest_format,
+    newest_good,
+    verified,
+    verify,
+)
 from ray_app.shared.errors import CheckpointError, StorageError
 from ray_app.shared.storage import LocalStorage
 from ray_app.worker.checkpoint import (
     Checkpointer,
-    CheckpointPayload,
     capture_rng_state,
-    load_verified,
-    resolve_checkpoint_uri,
+    load,
+    load_uri,
+    needed,
     restore_rng_state,
     upload_checkpoint_dir,
-    write_checkpoint_dir,
     write_manifest,
 )
-from tests.support.checkpoints import save_tiny_shards
+from tests.support.checkpoints import CheckpointPayload, save_tiny_shards, write_single_file_dir
 from tests.support.checkpoints import tiny_payload as checkpoint_payload
 
 RUN = "run-a"
@@ -51,10 +61,19 @@ def commit(storage: LocalStorage, step: int, seed: int = 0, name: str | None = N
     """Write a checkpoint locally, then upload it (manifest last) like the trainer does. Returns rel."""
     name = name or checkpoint_dir_name(step)
     local = storage.root.parent / f"local-{name}"
-    write_checkpoint_dir(local, tiny_payload(step, seed))
+    write_single_file_dir(local, tiny_payload(step, seed))
     upload_checkpoint_dir(local, storage, f"{RUN}/{name}")
     shutil.rmtree(local)
     return f"{RUN}/{name}"
+
+
+def load_verified(storage, rel: str, rank: int | None = 0, model_only: bool = False):
+    """The checkpoint at ``rel`` verified (``catalog.verified``) and loaded as the kit does."""
+    return load(verified(storage, rel, keep=needed(rank, model_only)), rank, model_only=model_only)
+
+
+def step_of(loaded) -> int:
+    return loaded.train_state().pos.global_step
 
 
 def flip_byte(path, offset=-20):
@@ -73,7 +92,7 @@ def test_written_checkpoint_verifies_and_loads(storage):
     loaded = load_verified(storage, rel, rank=1)
     expected = tiny_payload(12)
     assert all(torch.equal(loaded.model[k], expected.model[k]) for k in expected.model)
-    assert loaded.state["global_step"] == 12 and loaded.state["batches_done"] == 5
+    assert step_of(loaded) == 12 and loaded.train_state().pos.batches_done == 5
     assert loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
     assert loaded.rng is not None and loaded.uri == storage.uri(rel)
 
@@ -82,16 +101,16 @@ def test_an_older_checkpoint_with_a_scaler_file_still_verifies_and_loads(storage
     """Checkpoints written before the never-enabled GradScaler was dropped hold scaler.pt (its empty state):
     it is verified like every file the manifest lists, and the rest loads as before."""
     local = tmp_path / "old"
-    write_checkpoint_dir(local, tiny_payload(6))
+    write_single_file_dir(local, tiny_payload(6))
     torch.save(torch.amp.GradScaler("cuda", enabled=False).state_dict(), local / "scaler.pt")
-    write_manifest(local, global_step=6, epoch=2)  # re-commit: the manifest lists scaler.pt as the old ones do
+    write_manifest(local, global_step=6, epoch=2, fmt=SINGLE_FILE_FORMAT)  # re-commit: the manifest lists scaler.pt as the old ones do
     upload_checkpoint_dir(local, storage, f"{RUN}/old")
     v = verify(storage, f"{RUN}/old")
     assert v.ok and "scaler.pt" in v.manifest["files"]
     loaded = load_verified(storage, f"{RUN}/old", rank=0)
-    assert loaded.state["global_step"] == 6 and loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
+    assert step_of(loaded) == 6 and loaded.optimizer["state"][0]["momentum_buffer"].shape == (4, 5)
     flip_byte(storage.root / RUN / "old" / "scaler.pt", offset=-1)
-    assert "sha256 mismatch in scaler.pt" in verify(storage, f"{RUN}/old").reason
+    assert "scaler.pt does not match its manifest (sha256)" in verify(storage, f"{RUN}/old").reason
 
 
 def test_dir_names_sort_by_step():
@@ -101,8 +120,8 @@ def test_dir_names_sort_by_step():
 
 
 @pytest.mark.parametrize("damage, reason", [
-    ("flip", "sha256 mismatch in model.pt"),
-    ("truncate", "size mismatch in optimizer.pt"),
+    ("flip", "model.pt does not match its manifest (sha256)"),
+    ("truncate", "optimizer.pt does not match its manifest (size)"),
     ("missing", "missing file rng/rank_1.pt"),
     ("no_manifest", "no manifest"),
     ("bad_manifest", "manifest unreadable"),
@@ -171,7 +190,7 @@ def test_the_format_check_holds_under_python_optimize(storage):
 
 def test_upload_writes_manifest_last(storage, tmp_path):
     local = tmp_path / "local"
-    write_checkpoint_dir(local, tiny_payload(1))
+    write_single_file_dir(local, tiny_payload(1))
     order = []
 
     class RecordingStorage(LocalStorage):
@@ -183,43 +202,39 @@ def test_upload_writes_manifest_last(storage, tmp_path):
     assert order[-1] == MANIFEST and order.count(MANIFEST) == 1
 
 
-def test_newest_verified_skips_a_broken_newer_checkpoint(storage):
+def test_the_newest_good_checkpoint_skips_a_broken_newer_one_and_says_so_once(storage):
     old = commit(storage, 10, seed=1)
     new = commit(storage, 20, seed=2)
     flip_byte(storage.root / new / "model.pt")
     incomplete = commit(storage, 30, seed=3)
     (storage.root / incomplete / MANIFEST).unlink()  # an upload that died before its commit
-    warnings = []
-    name, skipped = newest_verified(storage, RUN, warn=warnings.append)
-    assert f"{RUN}/{name}" == old
-    assert len(skipped) == 2 and len(warnings) == 2
-    assert "sha256 mismatch" in warnings[1] and "no manifest" in warnings[0]
-    assert new.rsplit("/", 1)[-1] in warnings[1]
-    # a Checkpointer resumes from the older good one
-    cp = Checkpointer(storage, RUN, report=None, warn=warnings.append)
+    lines, said = [], set()
+    assert newest_good(storage, RUN, say=lines.append, said=said).rel == old
+    assert lines == [f"ray-app: skipped {storage.uri(incomplete)}: no manifest (incomplete or not a ray_app checkpoint)",
+                     f"ray-app: skipped {storage.uri(new)}: model.pt does not match its manifest (sha256)"]
+    # a Checkpointer given what was said already (the driver's) resumes from the older good one, silently
+    cp = Checkpointer(storage, RUN, report=None, warn=lines.append, said=said)
     loaded = cp.restore(rank=0)
-    assert loaded.state["global_step"] == 10
-    assert cp.last_uri == storage.uri(old)
+    assert step_of(loaded) == 10 and cp.last_uri == storage.uri(old) and len(lines) == 2
 
 
 def test_no_good_checkpoint_means_fresh_start(storage):
     rel = commit(storage, 10)
     (storage.root / rel / MANIFEST).unlink()
-    assert newest_verified(storage, RUN, warn=lambda m: None)[0] is None
-    assert Checkpointer(storage, RUN, report=None, warn=lambda m: None).restore(0) is None
+    assert newest_good(storage, RUN) is None
+    assert Checkpointer(storage, RUN, report=None).restore(0) is None
     with pytest.raises(CheckpointError, match="passes verification"):
-        resolve_checkpoint_uri(storage.uri(RUN))
+        choose(storage.uri(RUN))
 
 
-def test_resolve_run_and_checkpoint_uris(storage):
+def test_choose_a_run_and_a_checkpoint_uri(storage):
     a = commit(storage, 1)
     b = commit(storage, 2)
-    st, rel = resolve_checkpoint_uri(storage.uri(RUN))
-    assert rel == b and st.root == storage.root
-    st, rel = resolve_checkpoint_uri(storage.uri(a))
-    assert rel.endswith(a.rsplit("/", 1)[-1])
+    found = choose(storage.uri(RUN))
+    assert found.rel == b and found.storage.root == storage.root
+    assert choose(storage.uri(a)).rel.endswith(a.rsplit("/", 1)[-1])
     with pytest.raises(StorageError):
-        resolve_checkpoint_uri(storage.uri("no-such-run"))
+        choose(storage.uri("no-such-run"))
     assert list_checkpoints(storage, RUN) == [a.rsplit("/", 1)[-1], b.rsplit("/", 1)[-1]]
 
 
@@ -235,7 +250,7 @@ def test_rng_round_trip_reproduces_draws(storage, tmp_path):
     payload = tiny_payload(1, ranks=1)
     payload.rng_per_rank = [capture_rng_state()]
     expected = _draws()
-    write_checkpoint_dir(tmp_path / "c", payload)
+    write_single_file_dir(tmp_path / "c", payload)
     upload_checkpoint_dir(tmp_path / "c", storage, f"{RUN}/c")
     _draws()  # move every generator on
     loaded = load_verified(storage, f"{RUN}/c", rank=0)
@@ -265,7 +280,7 @@ class Payload:
 def test_a_pickled_object_in_a_checkpoint_is_refused(storage, tmp_path, capsys):
     local = tmp_path / "evil"
     payload = tiny_payload(9)
-    write_checkpoint_dir(local, payload)
+    write_single_file_dir(local, payload)
     torch.save({"weight": Payload()}, local / "model.pt")
     # re-commit with a matching manifest: verification alone cannot catch it, weights_only must
     files = {}
@@ -331,7 +346,7 @@ def test_final_checkpoint_unless_off_or_nothing_new_was_trained(storage):
     assert Checkpointer(storage, RUN, report=None, every_epochs=0, every_steps=7).final_due(30, 0)
     commit(storage, 30)
     resumed = Checkpointer(storage, RUN, report=None, warn=lambda m: None)
-    assert resumed.restore(rank=0).state["global_step"] == 30
+    assert step_of(resumed.restore(rank=0)) == 30
     assert not resumed.final_due(global_step=30, resumed_from_step=30)  # a resume that trained nothing
     assert resumed.final_due(global_step=31, resumed_from_step=30)
 
@@ -359,34 +374,33 @@ def test_save_shards_reports_the_name_it_was_given_and_accounts_the_blocked_time
     assert cp.written == 2 and cp.blocked_seconds == pytest.approx(first + second)
     assert [c[2] for c in calls] == [first_name, second_name]
     assert calls[1][0]["checkpoint"] == cp.last_uri == storage.uri(RUN, second_name)
-    assert newest_verified(storage, RUN)[0] == second_name
-    assert load_verified(storage, f"{RUN}/{second_name}", rank=0).state["global_step"] == 8
+    assert newest_good(storage, RUN).name == second_name
+    assert step_of(load_verified(storage, f"{RUN}/{second_name}", rank=0)) == 8
 
 
 def test_warm_start_only_when_the_checkpoint_comes_from_resume_from(storage):
     commit(storage, 5)  # in run-a
     source = storage.uri(RUN)
     warm = Checkpointer(storage, "run-b", report=None, resume_from=source, warn=lambda m: None)
-    assert warm.restore(rank=0).state["global_step"] == 5
+    assert step_of(warm.restore(rank=0)) == 5
     assert warm.warm_start and warm.last_uri.startswith(source)
     own = Checkpointer(storage, RUN, report=None, resume_from=storage.uri("elsewhere"), warn=lambda m: None)
     assert own.restore(rank=0) is not None and not own.warm_start
     assert not Checkpointer(storage, "run-c", report=None).warm_start
 
 
-def test_newest_committed_config_reads_only_the_config(storage):
-    assert newest_committed_config(storage, RUN) is None
+def test_the_config_the_driver_compares_is_that_of_the_newest_checkpoint_that_verifies(storage):
+    assert newest_good(storage, RUN) is None
     old = commit(storage, 10)
-    uri, config = newest_committed_config(storage, RUN)
-    assert uri == storage.uri(old) and config == {"run": {"name": RUN}}
+    found = newest_good(storage, RUN, keep="config.json".__eq__)
+    assert found.uri == storage.uri(old) and found.config == {"run": {"name": RUN}}
+    assert set(found.verification.contents) == {"config.json"}  # kept: not read again
     new = commit(storage, 20)
-    flip_byte(storage.root / new / "model.pt")  # not read: cheap enough for every `train` start
-    assert newest_committed_config(storage, RUN)[0] == storage.uri(new)
-    (storage.root / new / "config.json").write_text('{"run": {"name": "tampered"}}')
-    assert newest_committed_config(storage, RUN)[0] == storage.uri(old)  # its manifest does not match it
+    flip_byte(storage.root / new / "model.pt")  # a file the config check does not need: skipped all the same
+    assert newest_good(storage, RUN).uri == storage.uri(old)
     uncommitted = commit(storage, 30)
     (storage.root / uncommitted / MANIFEST).unlink()
-    assert newest_committed_config(storage, RUN)[0] == storage.uri(old)
+    assert newest_good(storage, RUN).uri == storage.uri(old)
 
 
 # ---------------------------------------------------------------- each byte read once; storage errors propagate
@@ -414,16 +428,16 @@ def test_a_restore_reads_every_byte_of_the_checkpoint_once(storage):
     new = commit(storage, 20, seed=2)
     counting = CountingStorage(str(storage.root))
     loaded = Checkpointer(counting, RUN, report=None).restore(rank=1)
-    assert loaded.state["global_step"] == 20 and loaded.rng is not None
+    assert step_of(loaded) == 20 and loaded.rng is not None
     assert counting.reads == {rel: [size] for rel, size in _sizes(storage, new).items()}  # once each, nothing of old
     assert not any(rel.startswith(old) for rel in counting.reads)
     # a damaged newer one is read (at most) once too, then skipped for the older one
     flip_byte(storage.root / new / "model.pt")
     counting = CountingStorage(str(storage.root))
     warnings = []
-    assert Checkpointer(counting, RUN, report=None, warn=warnings.append).restore(rank=0).state["global_step"] == 10
+    assert step_of(Checkpointer(counting, RUN, report=None, warn=warnings.append).restore(rank=0)) == 10
     assert all(len(sizes) == 1 for sizes in counting.reads.values()), counting.reads
-    assert len(warnings) == 1 and "sha256 mismatch in model.pt" in warnings[0]
+    assert len(warnings) == 1 and "model.pt does not match its manifest (sha256)" in warnings[0]
 
 
 @pytest.mark.timeout(60)
@@ -438,7 +452,7 @@ def test_a_restore_from_s3_fetches_every_byte_of_the_checkpoint_once(s3, tmp_pat
     rels = []
     for step, seed in ((10, 1), (20, 2)):
         local = tmp_path / f"local-{step}"
-        write_checkpoint_dir(local, tiny_payload(step, seed))
+        write_single_file_dir(local, tiny_payload(step, seed))
         rels.append(f"{RUN}/{checkpoint_dir_name(step)}")
         upload_checkpoint_dir(local, storage, rels[-1])
     fetched: dict[str, list[int]] = {}
@@ -452,22 +466,20 @@ def test_a_restore_from_s3_fetches_every_byte_of_the_checkpoint_once(s3, tmp_pat
     storage.client.meta.events.register("before-call.s3.GetObject", before)
     storage.client.meta.events.register("after-call.s3.GetObject", after)
     loaded = Checkpointer(storage, RUN, report=None).restore(rank=1)
-    assert loaded.state["global_step"] == 20
+    assert step_of(loaded) == 20
     assert fetched == {f"{rels[1]}/{name}": [size] for name, size in storage.list_files(rels[1]).items()}, fetched
 
 
 @pytest.mark.timeout(30)
-def test_evaluation_and_export_read_the_model_state_and_config_once(storage):
+def test_evaluation_and_export_verify_every_file_and_read_each_once(storage):
     rel = commit(storage, 10)
     counting = CountingStorage(str(storage.root))
     load_verified(counting, rel, rank=None, model_only=True)
-    assert counting.reads == {f"{rel}/{name}": [size] for name, size in storage.list_files(rel).items()
-                              if name in (MANIFEST, "model.pt", "state.json", "config.json")}
+    assert counting.reads == {f"{rel}/{name}": [size] for name, size in storage.list_files(rel).items()}
 
 
 @pytest.mark.timeout(30)
-def test_committed_config_reads_only_the_manifest_and_the_config(storage, monkeypatch):
-    from ray_app.shared import catalog
+def test_the_choice_of_a_uri_reads_each_file_once_and_keeps_the_config(storage, monkeypatch):
     from ray_app.shared import storage as storage_mod
 
     rel = commit(storage, 10)
@@ -480,9 +492,10 @@ def test_committed_config_reads_only_the_manifest_and_the_config(storage, monkey
     monkeypatch.setattr(storage_mod, "open_storage", counting_open)
     for uri in (storage.uri(rel), storage.uri(RUN)):
         made.clear()
-        assert catalog.committed_config(uri) == (storage.uri(rel), {"run": {"name": RUN}})
-        read = {rel for s in made for rel in s.reads}
-        assert {r.rsplit("/", 1)[-1] for r in read} == {MANIFEST, "config.json"}, read
+        found = catalog.choose(uri, keep="config.json".__eq__)
+        assert (found.uri, found.config) == (storage.uri(rel), {"run": {"name": RUN}})
+        reads = {r: sizes for s in made for r, sizes in s.reads.items()}
+        assert reads == {f"{rel}/{name}": [size] for name, size in storage.list_files(rel).items()}, reads
 
 
 class Outage(LocalStorage):
@@ -523,9 +536,7 @@ def test_a_storage_error_is_raised_not_taken_for_a_bad_checkpoint(storage, op):
     with pytest.raises(EndpointConnectionError):  # not a resume from the older checkpoint
         Checkpointer(down, RUN, report=None, warn=lambda m: None).restore(rank=0)
     with pytest.raises(EndpointConnectionError):
-        newest_committed_config(down, RUN)
-    with pytest.raises(EndpointConnectionError):
-        newest_verified(down, RUN, warn=lambda m: None)
+        newest_good(down, RUN)
 
 
 @pytest.mark.timeout(30)
@@ -533,21 +544,85 @@ def test_a_resume_from_checkpoint_that_does_not_load_is_an_error_not_a_fresh_sta
     rel = commit(storage, 5)
     flip_byte(storage.root / rel / "model.pt")
     warm = Checkpointer(storage, "run-b", report=None, resume_from=storage.uri(rel), warn=lambda m: None)
-    with pytest.raises(CheckpointError, match="run.resume_from .* failed verification: sha256 mismatch in model.pt"):
+    with pytest.raises(CheckpointError,
+                       match=r"run.resume_from .* failed verification: model.pt does not match its manifest \(sha256\)"):
         warm.restore(rank=0)
 
 
 def test_eval_and_export_of_a_run_take_its_newest_checkpoint_that_loads(storage):
     """A run URI whose newest checkpoint is damaged (a changed byte in model.pt, its manifest intact): the
     newest that loads, with a warning; the damaged one named by its URI is bad input."""
-    from ray_app.worker.checkpoint import load_named_or_newest
-
     old = commit(storage, 10, seed=1)
     new = commit(storage, 20, seed=2)
     flip_byte(storage.root / new / "model.pt")
     warnings = []
-    loaded = load_named_or_newest(storage.uri(RUN), rank=None, model_only=True, warn=warnings.append)
-    assert loaded.uri == storage.uri(old) and loaded.state["global_step"] == 10
-    assert len(warnings) == 1 and "sha256 mismatch in model.pt" in warnings[0] and new.rsplit("/", 1)[-1] in warnings[0]
-    with pytest.raises(CheckpointError, match="sha256 mismatch in model.pt"):
-        load_named_or_newest(storage.uri(new), rank=None, model_only=True)
+    loaded = load_uri(storage.uri(RUN), rank=None, model_only=True, say=warnings.append)
+    assert loaded.uri == storage.uri(old) and step_of(loaded) == 10
+    assert warnings == [f"ray-app: skipped {storage.uri(new)}: model.pt does not match its manifest (sha256)"]
+    with pytest.raises(CheckpointError, match=r"model.pt does not match its manifest \(sha256\)"):
+        load_uri(storage.uri(new), rank=None, model_only=True)
+
+
+# ---------------------------------------------------------------- one rule: the newest checkpoint that verifies
+
+def _sharded_run(storage, steps=(4, 8)) -> list[str]:
+    """Checkpoints of run-a as the kit writes them (every rank's share; here one rank), committed."""
+    cp = Checkpointer(storage, RUN, _reporter([]))
+    return [save_tiny_shards(cp, step, seed=step)[0] for step in steps]
+
+
+@pytest.mark.timeout(60)
+def test_a_changed_scheduler_pt_is_skipped_by_eval_export_and_resume_and_said_once(storage):
+    """scheduler.pt is a file eval and export do not load: its checkpoint, which `checkpoints verify`
+    rejects, is skipped all the same, with one line saying which and why; named, it is bad input."""
+    old, new = _sharded_run(storage)
+    flip_byte(storage.root / RUN / new / "scheduler.pt", offset=-30)
+    assert not verify(storage, f"{RUN}/{new}").ok  # what `ray-app checkpoints verify` says
+    line = f"ray-app: skipped {storage.uri(RUN, new)}: scheduler.pt does not match its manifest (sha256)"
+    said_lines, said = [], set()
+    loaded = load_uri(storage.uri(RUN), rank=None, model_only=True, say=said_lines.append, said=said)  # eval, export
+    assert loaded.uri == storage.uri(RUN, old) and said_lines == [line]
+    with pytest.raises(CheckpointError, match=r"scheduler.pt does not match its manifest \(sha256\)"):
+        load_uri(storage.uri(RUN, new), rank=None, model_only=True)
+    resumed = Checkpointer(storage, RUN, report=None, warn=said_lines.append, said=said).restore(rank=0)
+    assert resumed.uri == storage.uri(RUN, old) and said_lines == [line]  # said once, not again by the workers
+    fresh = []
+    assert Checkpointer(storage, RUN, report=None, warn=fresh.append).restore(rank=0).uri == storage.uri(RUN, old)
+    assert fresh == [line]
+
+
+# ---------------------------------------------------------------- a write that fails leaves nothing behind
+
+def _big_files(step: int):
+    from ray_app.shared.catalog import Position, TrainState
+    from ray_app.worker.checkpoint import CheckpointFiles
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights: more than the small disk holds
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, CheckpointFiles(sched.state_dict(), TrainState(Position(global_step=step), 1), {}, {})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("full", ["storage", "staging"])
+def test_a_full_disk_leaves_no_partial_checkpoint_and_no_temp_file(tmp_path, monkeypatch, full):
+    """run.storage (or the rank's local staging) on a 2 MB disk: the write fails, and neither the run's
+    folder nor the disk keeps a partial checkpoint or a temp file."""
+    import tempfile
+    import warnings
+
+    from tests.support.disks import files_under, small_disk
+
+    with small_disk(tmp_path / "disk") as disk:
+        storage = LocalStorage(str(disk / "runs" if full == "storage" else tmp_path / "runs"))
+        if full == "staging":
+            monkeypatch.setattr(tempfile, "tempdir", str(disk))
+        cp = Checkpointer(storage, RUN, _reporter([]))
+        model, opt, files = _big_files(3)
+        with warnings.catch_warnings(), pytest.raises(StorageError, match="free space"):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            cp.save_shards(model, opt, files, capture_rng_state(), {"global_step": 3}, rank=0, world_size=1,
+                           name=cp.new_name(3))
+        assert list_checkpoints(storage, RUN) == []
+        assert files_under(disk) == []

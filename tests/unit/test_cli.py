@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_app.worker.checkpoint import write_checkpoint_dir
-from tests.support.checkpoints import tiny_payload, write_checkpoint
+from tests.support.checkpoints import tiny_payload, write_checkpoint, write_single_file_dir
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_YAML = str(REPO / "configs" / "local.yaml")
@@ -259,12 +258,59 @@ def test_verify_of_a_tampered_checkpoint_exits_2(run_cli, tmp_path):
     assert not (tmp_path / "m.pt").exists()
 
 
+def _newest_with_a_changed_scheduler(runs: Path, sets: list[str]) -> tuple[str, str]:
+    """Two checkpoints of run r1 as the kit writes them, both at epoch 1 with the config ``sets`` gives; the
+    newer one's scheduler.pt (a file eval and export do not load) with a changed byte. Returns their URIs."""
+    from ray_app.shared.config import load_config
+    from ray_app.shared.storage import LocalStorage
+    from ray_app.worker.checkpoint import Checkpointer
+    from tests.support.checkpoints import save_tiny_shards
+
+    storage = LocalStorage(str(runs))
+    config = load_config(None, sets).to_dict()
+    cp = Checkpointer(storage, "r1", lambda metrics, local_dir, dir_name, upload: upload and upload(local_dir, dir_name))
+    old, new = (save_tiny_shards(cp, step, seed=step, config=config)[0] for step in (4, 8))
+    path = runs / "r1" / new / "scheduler.pt"
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0x01
+    path.write_bytes(bytes(data))
+    return storage.uri("r1", old), storage.uri("r1", new)
+
+
+SKIPPED = "ray-app: skipped {}: scheduler.pt does not match its manifest (sha256)"
+
+
+@pytest.mark.timeout(120)
+def test_export_skips_the_checkpoint_verify_rejects_and_says_so_once(run_cli, tmp_path):
+    old, new = _newest_with_a_changed_scheduler(tmp_path / "runs", [])
+    rc, _, err = run_cli(["checkpoints", "verify", str(tmp_path / "runs" / "r1")], timeout=60)
+    assert rc == 2, err
+    rc, out, err = run_cli(["checkpoints", "export", str(tmp_path / "runs" / "r1"), "--out", str(tmp_path / "m.pt")],
+                           timeout=60)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[-1])["checkpoint"] == old
+    assert [ln for ln in err.splitlines() if ln.strip()] == [SKIPPED.format(new)]
+
+
+@pytest.mark.timeout(120)
+def test_train_of_a_finished_run_whose_newest_checkpoint_is_damaged_names_the_older_one(run_cli, tmp_path):
+    """`ray-app train` on a run whose checkpoints already end it: its "complete" check takes the newest
+    checkpoint that verifies, says which it skipped, and starts no Ray."""
+    sets = [f"run.storage={tmp_path / 'runs'}", "run.name=r1", "train.epochs=1"]
+    old, new = _newest_with_a_changed_scheduler(tmp_path / "runs", sets)
+    rc, out, err = run_cli(["train", *[a for s in sets for a in ("--set", s)]], env={"RAY_ADDRESS": None}, timeout=120)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[-1])["checkpoint"] == old
+    assert err.count(SKIPPED.format(new)) == 1, err
+    assert f"is complete: {old} is at epoch 1" in err and "Token authentication" not in out + err
+
+
 def test_checkpoints_list_shows_every_eval_metric_of_the_task(run_cli, tmp_path):
     ckpt = make_checkpoint(tmp_path / "runs")
     metrics = {"global_step": 7, "train_loss": 0.5, "eval_mse": 0.123456, "eval_mae": 0.25, "other": 1}
     (ckpt / "metrics.json").write_text(json.dumps(metrics))
     # re-commit: the manifest must list the new metrics.json
-    write_checkpoint_dir(ckpt, tiny_payload(7, metrics=metrics))
+    write_single_file_dir(ckpt, tiny_payload(7, metrics=metrics))
     rc, out, err = run_cli(["checkpoints", "list", str(tmp_path / "runs" / "r1")], timeout=60)
     assert rc == 0, err
     assert "eval_mse 0.1235" in out and "eval_mae 0.25" in out and "eval_accuracy" not in out

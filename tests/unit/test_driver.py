@@ -323,7 +323,7 @@ def test_resume_from_needs_the_same_model(tmp_path, clean_path):
 
 
 @pytest.mark.timeout(60)
-def test_the_drivers_resume_from_check_reads_only_the_manifest_and_the_config(tmp_path, clean_path, monkeypatch):
+def test_the_drivers_resume_from_check_verifies_every_file_reading_each_once(tmp_path, clean_path, monkeypatch):
     from ray_app.shared import storage as storage_mod
     from tests.unit.test_checkpoint import CountingStorage
 
@@ -338,8 +338,9 @@ def test_the_drivers_resume_from_check_reads_only_the_manifest_and_the_config(tm
     monkeypatch.setattr(storage_mod, "open_storage", counting_open)
     preflight_run(load_config(None, [f"run.storage={runs}", "run.name=new", "model.name=mlp",
                                      f"run.resume_from={source}"]))
-    read = sorted(rel.rsplit("/", 1)[-1] for s in made for rel in s.reads)
-    assert read == ["config.json", "manifest.json"], read
+    reads = {rel: sizes for s in made for rel, sizes in s.reads.items()}
+    checkpoint = next(iter(reads)).rsplit("/", 1)[0]
+    assert reads == {f"{checkpoint}/{name}": [size] for name, size in made[0].list_files(checkpoint).items()}, reads
 
 
 # ---------------------------------------------------------------- RayRuntime.report

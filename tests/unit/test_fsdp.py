@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ray_app.shared import catalog
 from ray_app.shared.config import load_config
 from ray_app.shared.storage import LocalStorage
-from ray_app.worker.checkpoint import Checkpointer, load_named_or_newest
+from ray_app.worker.checkpoint import Checkpointer, CheckpointFiles, load_uri
 from ray_app.worker.loop import Trainer
 from ray_app.worker.metrics import NullMetrics
 from ray_app.worker.parts import build_parts
@@ -82,7 +82,7 @@ def _fit(rank: int, world: int, cfg, crash_after=None) -> dict:
 def _evaluate(rank: int, world: int, cfg, uri: str) -> dict:
     rt = FakeRuntime(rank, world)
     parts = build_parts(cfg, rt)
-    load_named_or_newest(uri, rank=None, model_only=True).load_into(parts.model)
+    load_uri(uri, rank=None, model_only=True).load_into(parts.model)
     return Trainer(cfg, rt, parts, None, NullMetrics()).evaluate()
 
 
@@ -130,7 +130,7 @@ def _single_file_into_fsdp(rank: int, world: int, storage: str) -> dict:
     torch.manual_seed(123)  # other weights than the checkpoint's
     model = fully_shard_model(torch.nn.Linear(5, 4), torch.device("cpu"), world)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    load_named_or_newest(os.path.join(storage, "single-file"), rank).load_into(model, optimizer)
+    load_uri(os.path.join(storage, "single-file"), rank).load_into(model, optimizer)
     state = get_optimizer_state_dict(model, optimizer, options=FULL)["state"]
     return {"params": _full(model), "momentum": {k: v["momentum_buffer"].clone() for k, v in state.items()}}
 
@@ -201,7 +201,7 @@ def test_a_run_with_scalar_parameters_resumes_bit_identical(fsdp_runs):
 
 def test_every_rank_writes_its_share_and_the_manifest_covers_them_all(fsdp_runs):
     storage = fsdp_runs["storage"]
-    found = catalog.newest(storage, "fsdp-mid", check=catalog.VERIFIED)
+    found = catalog.newest_good(storage, "fsdp-mid")
     files = found.verification.manifest["files"]
     assert found.verification.manifest["format"] == catalog.SHARDED_FORMAT
     for rank in (0, 1):
@@ -254,8 +254,8 @@ def test_a_single_file_checkpoint_still_loads_under_both_strategies(fsdp_runs, t
     path = write_checkpoint(tmp_path / "old", 7)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["format"] == catalog.SINGLE_FILE_FORMAT
-    loaded = load_named_or_newest(str(tmp_path / "old"), rank=0)
-    assert loaded.sharded is None and loaded.state["global_step"] == 7
+    loaded = load_uri(str(tmp_path / "old"), rank=0)
+    assert loaded.sharded is None and loaded.global_step == 7
     model = torch.nn.Linear(5, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loaded.load_into(model, optimizer)  # a plain module (DDP's inside) takes it as it is
@@ -307,7 +307,8 @@ def _memory_worker(rank: int, world: int, port: int, out: str, strategy: str) ->
         ckpt = Checkpointer(LocalStorage(os.path.join(out, "runs")), f"{strategy}-{upload}", rt.report,
                             staged=upload == "async", wait_s=60)
         _reset_peak()
-        ckpt.save_shards(model, optimizer, {"state.json": {"epoch": 0}} if rank == 0 else None, {},
+        files = CheckpointFiles({}, catalog.TrainState(catalog.Position(global_step=3), world), {}, {})
+        ckpt.save_shards(model, optimizer, files if rank == 0 else None, {},
                          {"global_step": 3}, rank=rank, world_size=world, name=f"ckpt-s000000003-{strategy}-{upload}")
         ckpt.wait_committed()
         torch.save({"train_peak": train_peak, "checkpoint_peak": _rss_mb("VmHWM:") - base},

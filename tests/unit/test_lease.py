@@ -181,7 +181,7 @@ def test_a_lease_whose_driver_is_gone_from_this_host_is_taken_over_at_once(tmp_p
 def test_workers_commit_no_checkpoint_once_another_driver_holds_the_run(tmp_path):
     """A driver killed without releasing its lease: once another driver has taken the run over, its
     orphaned workers' next checkpoint is not committed (the fence before the manifest raises RunHeld)."""
-    from ray_app.shared.catalog import list_checkpoints, newest_verified
+    from ray_app.shared.catalog import list_checkpoints, newest_good
     from ray_app.shared.lease import fence
     from ray_app.worker.checkpoint import Checkpointer
     from tests.support.checkpoints import save_tiny_shards
@@ -196,13 +196,83 @@ def test_workers_commit_no_checkpoint_once_another_driver_holds_the_run(tmp_path
     ckpt = Checkpointer(storage, "r", report)
     ckpt.before_commit = fence(storage, "r", first.token)
     save_tiny_shards(ckpt, 1)
-    assert newest_verified(storage, "r", warn=lambda m: None)[0] is not None  # its own driver: committed
+    assert newest_good(storage, "r") is not None  # its own driver: committed
 
     (tmp_path / "r" / LEASE_FILE).unlink()  # the first driver is gone; a second one takes the run
     second = RunLease(lease_store(storage, "r"), storage.uri("r"), stale_s=30)
     second.acquire()
     with pytest.raises(RunHeld, match="no longer held by this worker group's driver"):
         save_tiny_shards(ckpt, 2)
-    names = list_checkpoints(storage, "r")
-    assert len(names) == 2 and not (tmp_path / "r" / names[-1] / "manifest.json").exists()  # never committed
+    assert list_checkpoints(storage, "r") == [newest_good(storage, "r").name]  # never committed, and removed
     second.release()
+
+
+def _named_ago(step: int, seconds: float) -> str:
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() - seconds))
+    return f"ckpt-s{step:09d}-{stamp}-abcd"
+
+
+@pytest.mark.timeout(60)
+def test_the_driver_holding_the_run_sweeps_what_earlier_writes_left_uncommitted(tmp_path, capsys):
+    """At the next start: an uncommitted checkpoint folder (a killed worker's share, no manifest) older than
+    run.lease_stale_s and a failed renewal's temp file go; a committed checkpoint and a folder being written
+    now stay."""
+    from ray_app.shared.catalog import list_checkpoints
+    from ray_app.worker.checkpoint import Checkpointer
+    from tests.support.checkpoints import save_tiny_shards
+
+    storage = LocalStorage(str(tmp_path))
+
+    def report(metrics, local_dir, dir_name, upload):
+        upload(local_dir, dir_name)
+
+    committed, _ = save_tiny_shards(Checkpointer(storage, "r", report), 1)
+    left, in_flight = _named_ago(2, 120), _named_ago(3, 5)
+    for name in (left, in_flight):
+        (tmp_path / "r" / name / "model").mkdir(parents=True)
+        (tmp_path / "r" / name / "model" / "__0_0.distcp").write_bytes(b"a share")
+    (tmp_path / "r" / f"{LEASE_FILE}.0123abcd.tmp").write_text("{}")  # a renewal that failed half-way
+    with held_run(storage, "r", stale_s=60.0):
+        assert list_checkpoints(storage, "r") == [committed, in_flight]
+        assert sorted(p.name for p in (tmp_path / "r").iterdir() if p.name.startswith(LEASE_FILE)) == [LEASE_FILE]
+    err = capsys.readouterr().err
+    assert f"ray-app: removed {storage.uri('r', left)}: never committed (no manifest)" in err
+    assert in_flight not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_renewal_on_a_full_disk_leaves_no_temp_file(tmp_path):
+    from tests.support.disks import files_under, small_disk
+
+    with small_disk(tmp_path / "disk", "1M") as disk:
+        lease = RunLease(LocalLeaseFile(disk), str(disk), stale_s=30)
+        lease.acquire()
+        (disk / "filler").write_bytes(b"x" * ((1 << 20) - 4096))  # the disk, full
+        while True:
+            try:
+                with open(disk / "filler", "ab") as f:
+                    f.write(b"x" * 512)
+            except OSError:
+                break
+        with pytest.raises(OSError):
+            lease.renew()
+        assert files_under(disk) == [LEASE_FILE, "filler"]
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_workers_share_in_the_s3_bucket_is_swept_at_the_next_start(s3, monkeypatch):
+    """On S3 (moto_server): the objects of an uncommitted checkpoint older than run.lease_stale_s go when the
+    next driver holds the run; a committed checkpoint's stay."""
+    from ray_app.shared.storage import S3Storage
+
+    for key, value in s3.env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    storage = S3Storage(f"s3://{s3.bucket}/sweep", retry_s=10)
+    left, committed = _named_ago(2, 120), _named_ago(1, 300)
+    for name, files in ((left, ("model/__0_0.distcp", "parts/rank_0.json")), (committed, ("state.pt", "manifest.json"))):
+        for f in files:
+            storage.write_bytes(f"r/{name}/{f}", b"x")
+    with held_run(storage, "r", stale_s=60.0):
+        assert storage.list_dirs("r") == [committed]
+    assert set(storage.list_files(f"r/{committed}")) == {"state.pt", "manifest.json"}

@@ -166,7 +166,7 @@ def test_ray_app_eval_evaluates_once(counted):
     for r in ranks:
         assert r["eval"]["passes"] == 1
         assert r["eval"]["result"]["eval_accuracy"] == r["three-epochs"]["summary"]["eval_accuracy"]
-        assert "failed verification: sha256 mismatch in model/__0_0.distcp" in r["damaged"]  # exit 2, one line
+        assert "failed verification: model/__0_0.distcp does not match its manifest (sha256)" in r["damaged"]  # exit 2, one line
 
 
 @pytest.mark.timeout(180)

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ray_app.shared.catalog import newest_verified, verify
+from ray_app.shared.catalog import newest_good, verify
 from ray_app.shared.config import load_config
 from ray_app.shared.storage import LocalStorage
 from ray_app.worker.checkpoint import Checkpointer, cleanup_local
@@ -553,7 +553,7 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(trainer_runs, nam
     assert ended and resumed["epoch_losses"] == pytest.approx(ref["epoch_losses"][-ended:], rel=1e-9, abs=0)
     assert resumed["summary"]["train_loss"] == pytest.approx(ref["summary"]["train_loss"], rel=1e-9, abs=0)
     # the run ends on a committed checkpoint of the final step
-    newest, _ = newest_verified(storage, name)
+    newest = newest_good(storage, name).name
     assert newest is not None and int(newest[len("ckpt-s"):].split("-")[0]) == ref["summary"]["global_step"]
     assert resumed["summary"]["checkpoint"] == storage.uri(name, newest)
     assert resumed["summary"]["checkpoints_written"] >= 1 and resumed["summary"]["checkpoint_blocked_seconds"] > 0

@@ -21,7 +21,7 @@ from ray_app.shared.config import load_config
 from ray_app.shared.errors import Diverged
 from ray_app.shared.storage import LocalStorage
 from ray_app.shared.tasks import Classification
-from ray_app.worker.checkpoint import Checkpointer, load_verified
+from ray_app.worker.checkpoint import Checkpointer, load_uri
 from ray_app.worker.loop import Trainer
 from ray_app.worker.parts import build_parts
 from tests.unit.test_loop_counts import BATCH
@@ -107,7 +107,7 @@ def test_stop_ends_every_rank_at_the_step_naming_a_finite_checkpoint_that_resume
     newest = max(ranks[0]["stop_checkpoints"], key=_step)
     assert _step(newest) == BAD_STEP - 1  # every 2 steps: 2, 4; nothing at or after the bad step
     assert newest in ranks[0]["stop"] and newest in ranks[1]["stop"]
-    loaded = load_verified(LocalStorage(str(runs)), f"stop/{newest}", rank=None, model_only=True)
+    loaded = load_uri(LocalStorage(str(runs)).uri("stop", newest), rank=None, model_only=True)
     assert all(bool(torch.isfinite(t).all()) for t in loaded.model.values())
     for r in ranks:  # the same command resumes from it and trains to the end
         assert r["stop_resumed"]["resumed_from_step"] == BAD_STEP - 1 and r["stop_resumed"]["global_step"] == 12
@@ -127,5 +127,5 @@ def test_no_checkpoint_with_non_finite_parameters_is_committed(diverged):
     steps = sorted(_step(n) for n in ranks[0]["ignore_checkpoints"])
     assert steps == [2, 4], steps  # NaN from step 5 on: 6, 8, 10, 12 and the final one are not committed
     for name in ranks[0]["ignore_checkpoints"]:
-        loaded = load_verified(LocalStorage(str(runs)), f"ignore/{name}", rank=None, model_only=True)
+        loaded = load_uri(LocalStorage(str(runs)).uri("ignore", name), rank=None, model_only=True)
         assert all(bool(torch.isfinite(t).all()) for t in loaded.model.values())

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ray_app import script as kit
 from ray_app.driver import script as driver_script
-from ray_app.shared.catalog import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_verified, verify
+from ray_app.shared.catalog import FORMAT, MANIFEST, SCRIPT_FORMAT, list_checkpoints, newest_good, verify
 from ray_app.shared.config import load_config
 from ray_app.shared.errors import ConfigError, UserCodeError, UserError
 from ray_app.shared.storage import LocalStorage
@@ -254,10 +254,10 @@ def script_worker(monkeypatch, tmp_path, saved_process_state):
     monkeypatch.setattr(ray.train, "get_context", FakeContext)
     cfg = load_config(None, [f"run.storage={tmp_path / 'runs'}", "run.name=s"])
 
-    def run(source: str, args=(), job_script="train.py"):
+    def run(source: str, args=(), job_script="train.py", **job_keys):
         write(project, "train.py", source)
         job = {"mode": "script", "script": job_script, "args": list(args), "config": cfg.to_dict(),
-               "project_dir": str(project)}
+               "project_dir": str(project), **job_keys}
         results = []
         worker_main(job, results=type("Q", (), {"put": staticmethod(results.append)})())
         return results
@@ -275,6 +275,27 @@ def test_a_worker_runs_the_script_in_the_project_folder_with_torchruns_env(scrip
     assert seen["argv"] == [str(tmp_path / "project" / "train.py"), "--epochs", "2"]
     assert seen["env"] == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                            "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "s"}
+
+
+def test_the_lease_token_of_the_job_fences_the_scripts_saves(script_worker, tmp_path):
+    """The driver's lease token reaches the script's session: a token the run's lease no longer holds (its
+    driver was killed, another one took the run) commits nothing."""
+    from ray_app.shared.errors import RunHeld
+    from ray_app.shared.lease import RunLease, lease_store
+
+    storage = LocalStorage(str(tmp_path / "runs"))
+    holder = RunLease(lease_store(storage, "s"), storage.uri("s"), stale_s=30)
+    holder.acquire()
+    source = """
+        from ray_app import script as kit
+        kit.save({"epoch": 1})
+    """
+    script_worker(source, lease_token=holder.token)
+    assert len(list_checkpoints(storage, "s")) == 1
+    with pytest.raises(RunHeld, match="no longer held by this worker group's driver"):
+        script_worker(source, lease_token="an-earlier-drivers-token")
+    assert len(list_checkpoints(storage, "s")) == 1
+    holder.release()
 
 
 def test_an_exception_in_the_script_becomes_a_user_code_error(script_worker, tmp_path):
@@ -369,10 +390,33 @@ def test_a_broken_newest_checkpoint_is_skipped_and_numbering_goes_on_after_it(se
     newest = tmp_path / "runs" / "s" / list_checkpoints(s.storage, "s")[-1]
     (newest / "state.pt").write_bytes(b"tampered")
     assert kit.load()["epoch"] == 1
-    assert "skipping checkpoint" in capsys.readouterr().out
+    assert f"ray-app: skipped {s.storage.uri('s', newest.name)}: state.pt does not match its manifest" \
+        in capsys.readouterr().out
     kit.save(_state(3.0))  # number 3: sorts after the broken number 2
     assert list_checkpoints(s.storage, "s")[-1].startswith("ckpt-s000000003-")
     assert kit.load()["epoch"] == 3
+
+
+def test_a_save_commits_nothing_once_another_driver_holds_the_run(session, tmp_path):
+    """``ray-app run`` gives its workers its lease token: once another driver has taken the run over (this
+    one's was killed), the orphaned script's ``save`` commits nothing and leaves no folder."""
+    from ray_app.shared.errors import RunHeld
+    from ray_app.shared.lease import LEASE_FILE, RunLease, fence, lease_store
+
+    s, _ = session
+    first = RunLease(lease_store(s.storage, "s"), s.storage.uri("s"), stale_s=30)
+    first.acquire()
+    s.before_commit = fence(s.storage, "s", first.token)
+    kit.save(_state(1.0))
+    committed = list_checkpoints(s.storage, "s")
+    assert len(committed) == 1
+    (tmp_path / "runs" / "s" / LEASE_FILE).unlink()  # the first driver is gone; a second one takes the run
+    second = RunLease(lease_store(s.storage, "s"), s.storage.uri("s"), stale_s=30)
+    second.acquire()
+    with pytest.raises(RunHeld, match="no longer held by this worker group's driver"):
+        kit.save(_state(2.0))
+    assert list_checkpoints(s.storage, "s") == committed
+    second.release()
 
 
 def test_other_ranks_only_report(session):
@@ -394,7 +438,7 @@ def test_outside_ray_app_run_save_checks_and_does_nothing_load_is_none(tmp_path,
 def test_the_loop_and_the_script_never_load_each_others_checkpoints(session):
     s, _ = session
     kit.save(_state(1.0))
-    assert newest_verified(s.storage, "s", warn=lambda m: None)[0] is None  # the loop's format only
+    assert newest_good(s.storage, "s") is None  # the loop's format only
     name = list_checkpoints(s.storage, "s")[0]
     assert not verify(s.storage, f"s/{name}", fmt=FORMAT).ok and verify(s.storage, f"s/{name}").ok
     manifest = json.loads((Path(s.storage.uri("s", name)) / MANIFEST).read_text())
