@@ -305,11 +305,14 @@ def validate_before_ray(cfg: Config) -> None:
 
 def preflight_run(cfg: Config):
     """Everything that can be checked before a worker starts. Returns the storage."""
+    from ray_app.shared.catalog import AT_START
     from ray_app.shared.errors import StorageError
     from ray_app.shared.storage import open_storage, preflight
 
     validate_before_ray(cfg)
-    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
+    # the driver's own reads, the preflight's included, wait an outage out for failure.storage_retry_s (a
+    # resume's store may be down a moment); an answer that will not change (access denied) fails at once
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s, then=AT_START)
     preflight(storage)
     _check_resume(cfg, storage)
     if cfg.run.resume_from:
