@@ -133,7 +133,7 @@ class Retrying:
                              f"{silent}retrying for up to {self.in_force}")
                 if now - first + delay > self.budget_s:
                     raise StorageUnavailable(f"storage {self.where}: no answer for {now - first:.0f} s during {what} "
-                                             f"({type(exc).__name__}; retried for up to {self.in_force}); "
+                                             f"({type(exc).__name__}), retried for up to {self.in_force}; "
                                              f"{self.then}") from exc
                 self.sleep(delay * random.uniform(0.8, 1.2))
                 delay = min(delay * 2, 8.0)

@@ -312,7 +312,7 @@ def test_a_storage_outage_is_said_as_one_not_as_a_hang(tmp_path, capsys, monkeyp
     from ray_app.shared.errors import PeerLost, StorageUnavailable
 
     gave_up = StorageUnavailable("storage s3://b at http://127.0.0.1:9: no answer for 20 s during upload of r/x "
-                                 "(ReadTimeoutError; retried for up to 20 s (failure.storage_retry_s)); the worker "
+                                 "(ReadTimeoutError), retried for up to 20 s (failure.storage_retry_s); the worker "
                                  "group restarts from the newest committed checkpoint")
     policy = KitFailurePolicy(FailureConfig(max_failures=5),
                               hang_reports=hang_verdict.HangReports(str(tmp_path), "r", "20260101T000000Z"))
