@@ -85,6 +85,13 @@ def call_timeouts(budget_s: float) -> tuple[float, float]:
     return min(CONNECT_S, quarter), min(READ_S, quarter)
 
 
+def attempt_s(budget_s: float) -> float:
+    """The longest one attempt waits without an answer: its connect, then twice its read timeout (a PUT
+    waits for "100 Continue", then for its answer)."""
+    connect, read = call_timeouts(budget_s)
+    return connect + 2 * read
+
+
 def sdk_attempts(budget_s: float) -> int:
     """Attempts the AWS SDK makes per call itself: one under a budget (``Retrying`` retries, on its clock),
     three without (a fail-fast call still rides out a dropped connection)."""
@@ -94,10 +101,9 @@ def sdk_attempts(budget_s: float) -> int:
 class Retrying:
     """Runs a storage operation again, with exponential backoff and jitter, while it fails with a
     transient error, for at most ``budget_s`` seconds; then StorageUnavailable. The clock starts when the
-    store stopped answering: at the failed attempt's start, or ``timeout_s`` (one request's connect and read
-    timeouts) before its failure if the attempt ran longer (a long transfer that broke). No attempt starts
-    past the budget, so an operation ends within ``budget_s`` plus one attempt's timeout.
-    One line when an outage starts and one when it ends (the store's address, never credentials).
+    store stopped answering: at the failed attempt's start, or ``timeout_s`` (``attempt_s``) before its
+    failure if the attempt ran longer (a long transfer that broke). No attempt starts past the budget, so
+    an operation ends within ``budget_s`` plus one attempt's timeouts. One line when an outage starts and one when it ends (the store's address, never credentials).
     ``budget``: how the lines name the budget in force (the config key, or how a smaller one derives from
     it); ``then``: what follows when it is spent."""
 
@@ -106,7 +112,7 @@ class Retrying:
                  then: str = "the worker group restarts from the newest committed checkpoint",
                  timeout_s: float | None = None):
         self.budget_s, self.where, self.budget, self.then = budget_s, where, budget, then
-        self.timeout_s = sum(call_timeouts(budget_s)) if timeout_s is None else timeout_s
+        self.timeout_s = attempt_s(budget_s) if timeout_s is None else timeout_s
         self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
         self.sleep, self.clock = sleep, clock
 

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import pyarrow
 import pyarrow.fs
 
-from ray_app.shared.retry import BUDGET_KEY, Retrying, call_timeouts, sdk_attempts
+from ray_app.shared.retry import BUDGET_KEY, Retrying, attempt_s, call_timeouts, sdk_attempts
 
 RUN_STATE_FILES = ("checkpoint_manager_snapshot.json",)  # what Ray Train's controller writes itself
 # Ray Train's StorageContext, built by the controller at the run's start (and by each worker), creates the
@@ -99,9 +99,10 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
         """``fn()`` retried as the kit's storage calls are, for the controller's longer budget."""
         if self._patient is None:
             self._patient = Retrying(self.controller_budget_s, self._where(),
-                                     budget=f"{CONTROLLER_PATIENCE} x {BUDGET_KEY}, for Ray Train's controller",
+                                     budget=f"{CONTROLLER_PATIENCE} x {BUDGET_KEY}, at least {CONTROLLER_MIN_S:g} s, "
+                                            "for Ray Train's controller",
                                      then="the run ends; the same run again resumes from the newest committed checkpoint",
-                                     timeout_s=sum(call_timeouts(self.budget_s)))
+                                     timeout_s=attempt_s(self.budget_s))
         return self._patient(what, fn)
 
     def steadily(self, what: str, fn):

@@ -48,7 +48,7 @@ def test_the_run_state_write_waits_the_outage_out(tmp_path, capsys):
     assert flaky.calls == 3
     err = capsys.readouterr().err
     assert "unreachable (OSError) during Ray Train's controller saving its run state" in err
-    assert "10 x failure.storage_retry_s, for Ray Train's controller" in err
+    assert "up to 300 s (10 x failure.storage_retry_s, at least 300 s, for Ray Train's controller)" in err
     assert "answers again after" in err
 
 

@@ -157,20 +157,28 @@ def silent_s3(monkeypatch):
 BUDGET_S = 6  # failure.storage_retry_s of these tests: requests time out after 1.5 s
 
 
+# what a rank does with the store: restore's read, a checkpoint's upload, a commit's manifest
+OPERATIONS = {"reading": lambda st, tmp: st.read_bytes("r/config.json"),
+              "upload of": lambda st, tmp: st.upload_file(str(tmp), "r/ckpt/model.pt"),
+              "writing": lambda st, tmp: st.write_bytes("r/ckpt/manifest.json", b"{}")}
+
+
 @pytest.mark.timeout(60)
-def test_an_endpoint_that_never_answers_ends_a_read_within_the_budget(silent_s3, capsys):
+@pytest.mark.parametrize("what", list(OPERATIONS))
+def test_an_endpoint_that_never_answers_ends_a_read_within_the_budget(silent_s3, capsys, tmp_path, what):
     import time
 
     from ray_app.shared.storage import open_storage
 
     storage = open_storage("s3://bucket-x/runs", retry_s=BUDGET_S)
+    (tmp_path / "model.pt").write_bytes(b"x" * 1000)
     t0 = time.monotonic()
-    with pytest.raises(StorageUnavailable, match=r"no answer for \d+ s during reading r/config\.json"):
-        storage.read_bytes("r/config.json")
+    with pytest.raises(StorageUnavailable, match=rf"no answer for \d+ s during {what} r/"):
+        OPERATIONS[what](storage, tmp_path / "model.pt")
     elapsed = time.monotonic() - t0
     assert BUDGET_S - 2 <= elapsed <= BUDGET_S + 3, elapsed  # the budget plus one request's timeouts
     err = capsys.readouterr().err
-    assert re.search(r"unreachable \(\w+\) during reading r/config\.json; no answer for [12] s, retrying for up "
+    assert re.search(rf"unreachable \(\w+\) during {what} r/\S+; no answer for [1-3] s, retrying for up "
                      rf"to {BUDGET_S} s \(failure\.storage_retry_s\)", err), err
 
 
