@@ -170,7 +170,7 @@ class FailureSection:
                                 "before the worker group restarts from the newest committed checkpoint (a "
                                 "command's own reads: one line, exit 2). Each request times out after a quarter of "
                                 "it (at least 1 s, at most 3 s to connect and 30 s to answer), so a store that never "
-                                "answers ends within it plus one timeout.", min=0.0)
+                                "answers ends within it plus one attempt's timeouts.", min=0.0)
 
 
 @dataclass

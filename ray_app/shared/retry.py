@@ -103,7 +103,8 @@ class Retrying:
     transient error, for at most ``budget_s`` seconds; then StorageUnavailable. The clock starts when the
     store stopped answering: at the failed attempt's start, or ``timeout_s`` (``attempt_s``) before its
     failure if the attempt ran longer (a long transfer that broke). No attempt starts past the budget, so
-    an operation ends within ``budget_s`` plus one attempt's timeouts. One line when an outage starts and one when it ends (the store's address, never credentials).
+    an operation ends within ``budget_s`` plus one attempt's timeouts.
+    One line when an outage starts and one when it ends (the store's address, never credentials).
     ``budget``: how the lines name the budget in force (the config key, or how a smaller one derives from
     it); ``then``: what follows when it is spent."""
 
