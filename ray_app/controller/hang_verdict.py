@@ -7,8 +7,9 @@ attempt's reports (``ray_app.shared.reports``), gives the ``verdict`` and prints
 A storage outage is no hang: when the failed ranks gave up on the store (``StorageUnavailable``) or the
 reports cannot be read because the store does not answer, the line says so instead:
 
-    ray-app: storage unavailable (not a hang): rank 0 (storage s3://b at http://h:9000: no answer for 20 s
-    during upload of ...); no hang report read
+    ray-app: storage unavailable (not a hang): rank 0 gave up on the store; no hang report read
+
+(the restart's line after it names the store and the call that had no answer).
 
 The failure policy records the line in the run's journal (``ray_app.shared.journal``: a ``hang_report`` event).
 """
@@ -163,12 +164,11 @@ class HangReports:
 
 
 def storage_gave_up(failures: dict) -> str:
-    """The ranks whose error is ``StorageUnavailable`` and the first one's line ("" when none did)."""
+    """The ranks whose error is ``StorageUnavailable``, said ("" when none did)."""
     ranks = sorted(r for r, e in failures.items() if isinstance(e, StorageUnavailable))
     if not ranks:
         return ""
-    who = ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
-    return f"{who} ({first_line(failures[ranks[0]])})"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks)) + " gave up on the store"
 
 
 HUNG_ERRORS = ("WorkerHealthCheckTimeoutError", "CollectiveTimeoutError", "BroadcastCollectiveTimeoutError")
