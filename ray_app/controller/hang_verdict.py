@@ -4,6 +4,13 @@ attempt's reports (``ray_app.shared.reports``), gives the ``verdict`` and prints
     ray-app: hang: rank 1 (host h; no report: stopped or gone) did not reach gradient all-reduce
     (backward) #412 at step 57 that rank 0 waits in; stacks in s3://bucket/runs/r/reports/20261204T140501Z-attempt-1/
 
+A storage outage is no hang: when the failed ranks gave up on the store (``StorageUnavailable``) or the
+reports cannot be read because the store does not answer, the line says so instead:
+
+    ray-app: storage unavailable (not a hang): rank 0 gave up on the store; no hang report read
+
+(the restart's line after it names the store and the call that had no answer).
+
 The failure policy records the line in the run's journal (``ray_app.shared.journal``: a ``hang_report`` event).
 """
 
@@ -13,7 +20,9 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from ray_app.shared.errors import StorageUnavailable, first_line
 from ray_app.shared.reports import REPORTS, RankReport, read_reports, upload_bytes
+from ray_app.shared.retry import transient
 
 # ---------------------------------------------------------------- the verdict: who did not arrive
 
@@ -95,6 +104,7 @@ class HangReports:
     run: str
     launch: str
     retry_s: float = 5.0
+    budget: str = "the hang reports' read: failure.storage_retry_s, at most 5 s"  # how lines name retry_s
     max_age_s: float = 600.0  # reports older than this at a failure belong to an earlier stall, not to it
     wait_s: float = 0.0  # how long a failure that looks like a hang waits for reports still on their way
     said: set = field(default_factory=set)
@@ -121,8 +131,12 @@ class HangReports:
         number has not changed for a second."""
         from ray_app.shared.storage import open_storage
 
+        gave_up = storage_gave_up(failures or {})
+        if gave_up:  # the store is down: its reports could not be read, and no rank hung
+            return f"storage unavailable (not a hang): {gave_up}; no hang report read"
         try:
-            storage = open_storage(self.storage_uri, retry_s=self.retry_s)
+            storage = open_storage(self.storage_uri, retry_s=self.retry_s, budget=self.budget,
+                                   then="the restart goes on without them")
             deadline = time.monotonic() + (self.wait_s if looks_hung(failures or {}) else 0.0)
             folder, reports = self._fresh_reports(storage)
             while time.monotonic() < deadline:
@@ -137,6 +151,8 @@ class HangReports:
             found = verdict(reports)
             self.step = found.step
         except Exception as exc:  # the report is a help; the restart does not wait on it
+            if isinstance(exc, StorageUnavailable) or transient(exc):
+                return f"storage unavailable: the hang reports under {self.storage_uri} could not be read ({first_line(exc)})"
             return f"hang: the reports under {self.storage_uri} could not be read ({type(exc).__name__}: {exc})"
         where = storage.uri(folder) + "/"
         line = found.line(where)
@@ -147,6 +163,14 @@ class HangReports:
         except Exception:
             pass
         return line
+
+
+def storage_gave_up(failures: dict) -> str:
+    """The ranks whose error is ``StorageUnavailable``, said ("" when none did)."""
+    ranks = sorted(r for r, e in failures.items() if isinstance(e, StorageUnavailable))
+    if not ranks:
+        return ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks)) + " gave up on the store"
 
 
 HUNG_ERRORS = ("WorkerHealthCheckTimeoutError", "CollectiveTimeoutError", "BroadcastCollectiveTimeoutError")

@@ -342,7 +342,9 @@ def preflight_train(cfg: Config):
     from ray_app.shared.storage import open_storage, preflight
 
     validate_before_ray(cfg)
-    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
+    # the driver's own reads, the preflight's included, wait an outage out for failure.storage_retry_s (a
+    # resume's store may be down a moment); an answer that will not change (access denied) fails at once
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s, then=AT_START)
     preflight(storage)
     said: set = set()
     newest = _check_resume(cfg, storage, said)

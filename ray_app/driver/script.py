@@ -50,7 +50,7 @@ def run_script(cfg: Config, script: str, args: list[str]) -> dict:
 
     if cfg.run.name == BUILTIN_RUN_NAME:
         cfg.run.name = default_run_name(script)
-    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # the preflight waits an outage out too
     preflight(storage)
     storage_path, fs = storage.ray_storage()
     t0 = time.perf_counter()

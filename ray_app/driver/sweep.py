@@ -578,7 +578,7 @@ def run_sweep(cfg: Config, space: Space, configs: list[Config]) -> tuple[dict, d
     from ray_app.shared.lease import held_run
     from ray_app.shared.storage import open_storage, preflight
 
-    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # preflight itself fails fast
+    storage = open_storage(cfg.run.storage, retry_s=cfg.failure.storage_retry_s)  # the preflight waits an outage out too
     preflight(storage)
     name = cfg.run.name
     if any(d.startswith("ckpt-") for d in storage.list_dirs(name)):

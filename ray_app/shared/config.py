@@ -165,9 +165,12 @@ class FailureSection:
                                "collective that never returns) before the worker group restarts from the newest "
                                "checkpoint; torch's own default would be 1800. The longest legitimate wait must fit: "
                                "rank 0's sync checkpoint upload, its storage retries included.", min=10.0)
-    storage_retry_s: float = _f(120.0, "Seconds a worker's storage operation (a checkpoint upload, a listing, a "
-                                "read) retries an unreachable or throttling S3 store, with backoff, before the "
-                                "worker group restarts from the newest committed checkpoint.", min=0.0)
+    storage_retry_s: float = _f(120.0, "Seconds a storage operation (a checkpoint upload, a listing, a read, the "
+                                "preflight) retries an unreachable, silent or throttling S3 store, with backoff, "
+                                "before the worker group restarts from the newest committed checkpoint (a "
+                                "command's own reads: one line, exit 2). Each request times out after a quarter of "
+                                "it (at least 1 s, at most 3 s to connect and 30 s to answer), so a store that never "
+                                "answers ends within it plus one attempt's timeouts.", min=0.0)
 
 
 @dataclass

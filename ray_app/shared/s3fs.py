@@ -1,5 +1,9 @@
-"""The pyarrow S3 filesystem the kit hands to Ray Train (``pyarrow_s3``), with a retry strategy Ray
-Train keeps when ``failure.storage_retry_s`` is set.
+"""The pyarrow S3 filesystem the kit hands to Ray Train (``pyarrow_s3``), with the kit's retry budget
+(``failure.storage_retry_s``) kept through pickling: each request's connect and request timeouts derive from
+the budget (``ray_app.shared.retry.call_timeouts``), pyarrow's own retries are off, and the calls retry in
+``ray_app.shared.retry``'s ``Retrying``, so an endpoint that never answers ends within the budget plus one
+timeout, with a line while it waits. Streams are pyarrow's own (a small file Ray Train writes is uploaded
+whole when closed, and retried).
 
 Ray Train's controller writes its run state (``checkpoint_manager_snapshot.json``) after each reported
 checkpoint and, keeping ``checkpoint.keep``, looks up the checkpoints it deletes. An error there ends the
@@ -16,7 +20,7 @@ from urllib.parse import urlparse
 import pyarrow
 import pyarrow.fs
 
-from ray_app.shared.retry import Retrying, sdk_attempts_for
+from ray_app.shared.retry import BUDGET_KEY, Retrying, attempt_s, call_timeouts, sdk_attempts
 
 RUN_STATE_FILES = ("checkpoint_manager_snapshot.json",)  # what Ray Train's controller writes itself
 # Ray Train's StorageContext, built by the controller at the run's start (and by each worker), creates the
@@ -29,15 +33,20 @@ CONTROLLER_PATIENCE, CONTROLLER_MIN_S = 10, 300.0
 def pyarrow_s3(endpoint: str | None, region: str, budget_s: float = 0.0):
     """The filesystem Ray Train writes its own files with (run state, deletion of old checkpoints): the
     kit's endpoint and region; credentials from the AWS chain on each node (never serialized into Ray's
-    run state); with a retry budget, requests retry as long as the kit's own do."""
+    run state); with a retry budget, requests time out and retry as the kit's own do."""
     kwargs = {"region": region}
     if endpoint:
         parsed = urlparse(endpoint)
         kwargs["endpoint_override"] = parsed.netloc or parsed.path
         kwargs["scheme"] = parsed.scheme or "https"
     if not budget_s:
-        return pyarrow.fs.S3FileSystem(**kwargs)
-    return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, sdk_attempts_for(budget_s), budget_s))
+        return pyarrow.fs.S3FileSystem(**kwargs, **_timeouts(0.0))
+    return pyarrow.fs.PyFileSystem(RetryingS3Handler(kwargs, sdk_attempts(budget_s), budget_s))
+
+
+def _timeouts(budget_s: float) -> dict:
+    connect, read = call_timeouts(budget_s)
+    return {"connect_timeout": connect, "request_timeout": read}
 
 
 class _UploadOnClose(io.RawIOBase):
@@ -89,11 +98,11 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     def patiently(self, what: str, fn):
         """``fn()`` retried as the kit's storage calls are, for the controller's longer budget."""
         if self._patient is None:
-            endpoint = self.kwargs.get("endpoint_override")
-            where = f"s3 at {self.kwargs.get('scheme', 'https')}://{endpoint}" if endpoint else "s3"
-            self._patient = Retrying(self.controller_budget_s, where,
-                                     budget=f"{CONTROLLER_PATIENCE} x failure.storage_retry_s, for Ray Train's controller",
-                                     then="the run ends; the same run again resumes from the newest committed checkpoint")
+            self._patient = Retrying(self.controller_budget_s, self._where(),
+                                     budget=f"{CONTROLLER_PATIENCE} x {BUDGET_KEY}, at least {CONTROLLER_MIN_S:g} s, "
+                                            "for Ray Train's controller",
+                                     then="the run ends; the same run again resumes from the newest committed checkpoint",
+                                     timeout_s=attempt_s(self.budget_s))
         return self._patient(what, fn)
 
     def steadily(self, what: str, fn):
@@ -110,9 +119,10 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
 
     @property
     def fs(self):
-        if self._fs is None:
+        if self._fs is None:  # one attempt per call: the retries are Retrying's, on the budget's clock
             self._fs = pyarrow.fs.S3FileSystem(
-                **self.kwargs, retry_strategy=pyarrow.fs.AwsDefaultS3RetryStrategy(max_attempts=self.attempts))
+                **self.kwargs, **_timeouts(self.budget_s),
+                retry_strategy=pyarrow.fs.AwsStandardS3RetryStrategy(max_attempts=self.attempts))
         return self._fs
 
     def __eq__(self, other):
@@ -128,42 +138,49 @@ class RetryingS3Handler(pyarrow.fs.FileSystemHandler):
     def normalize_path(self, path):
         return self.fs.normalize_path(path)
 
+    def _retry(self, what: str, path: str, fn):
+        """``fn()`` within the controller's patience for a checkpoint's folder (its look-up before a deletion,
+        the deletion), else within the workers' budget."""
+        if _is_checkpoint_dir(path):
+            return self.patiently(f"{what} a checkpoint ({path})", fn)
+        return self.steadily(f"{what} {path}", fn)
+
     def get_file_info(self, paths):
-        if any(_is_checkpoint_dir(p) for p in paths):  # the controller's look-up before a deletion, too
-            return self.patiently("a look-up of a checkpoint", lambda: self.fs.get_file_info(paths))
         if any(_is_validation_marker(p) for p in paths):
             return self.steadily("Ray Train's check of the run's folder", lambda: self.fs.get_file_info(paths))
-        return self.fs.get_file_info(paths)
+        path = next((p for p in paths if _is_checkpoint_dir(p)), paths[0] if paths else "")
+        return self._retry("a look-up of", path, lambda: self.fs.get_file_info(paths))
 
     def get_file_info_selector(self, selector):
-        return self.fs.get_file_info(selector)
+        return self._retry("listing", selector.base_dir, lambda: self.fs.get_file_info(selector))
 
     def create_dir(self, path, recursive):
-        self.steadily(f"creating {path}", lambda: self.fs.create_dir(path, recursive=recursive))
+        self._retry("creating", path, lambda: self.fs.create_dir(path, recursive=recursive))
 
     def delete_dir(self, path):
-        self.fs.delete_dir(path)
+        self._retry("deleting", path, lambda: self.fs.delete_dir(path))
 
     def delete_dir_contents(self, path, missing_dir_ok=False):
-        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+        self._retry("deleting the contents of", path,
+                    lambda: self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok))
 
     def delete_root_dir_contents(self):
-        self.fs.delete_dir_contents("/", accept_root_dir=True)
+        self.steadily("deleting /", lambda: self.fs.delete_dir_contents("/", accept_root_dir=True))
 
     def delete_file(self, path):
-        self.fs.delete_file(path)
+        self._retry("deleting", path, lambda: self.fs.delete_file(path))
 
     def move(self, src, dest):
-        self.fs.move(src, dest)
+        self._retry("moving", src, lambda: self.fs.move(src, dest))
 
     def copy_file(self, src, dest):
-        self.fs.copy_file(src, dest)
+        self._retry("copying", src, lambda: self.fs.copy_file(src, dest))
 
     def open_input_stream(self, path):
-        return self.fs.open_input_stream(path)
+        return self._retry("opening", path, lambda: self.fs.open_input_stream(path))
 
     def open_input_file(self, path):
-        return self.fs.open_input_file(path)
+        return self._retry("opening", path, lambda: self.fs.open_input_file(path))
 
     def open_output_stream(self, path, metadata):
         if path.rsplit("/", 1)[-1] in RUN_STATE_FILES:

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ray_app.shared.errors import StorageError, StorageUnavailable
-from ray_app.shared.retry import Retrying
+from ray_app.shared.retry import BUDGET_KEY, Retrying, call_timeouts, sdk_attempts
 
 READ_CHUNK = 1 << 20  # bytes a streamed read (``read_into``) holds at a time
 
@@ -162,12 +162,13 @@ def explain_s3_error(exc: BaseException, settings: S3Settings) -> str | None:
 class S3Storage:
     """Runs under ``s3://bucket/prefix``, reached with boto3 (and pyarrow for Ray)."""
 
-    def __init__(self, uri: str, retry_s: float = 0.0, then: str | None = None):
+    def __init__(self, uri: str, retry_s: float = 0.0, then: str | None = None, budget: str = BUDGET_KEY):
         self.settings = S3Settings.resolve(uri)
         self._client = None
-        # 0: fail at once, an S3 error as a StorageError of one line (the preflight); everything else retries
-        # transient errors for failure.storage_retry_s
-        self._retrying = Retrying(retry_s, self.settings.where, **({"then": then} if then else {})) \
+        self.retry_s = max(retry_s, 0.0)
+        # 0: fail at once, an S3 error as a StorageError of one line; everything else retries transient errors
+        # for failure.storage_retry_s (``budget``: how the lines name a smaller budget derived from it)
+        self._retrying = Retrying(retry_s, self.settings.where, budget=budget, **({"then": then} if then else {})) \
             if retry_s > 0 else None
 
     def retry_raw(self, what: str, fn, *args, **kwargs):
@@ -201,7 +202,10 @@ class S3Storage:
             from botocore.config import Config as BotoConfig
             from botocore.exceptions import BotoCoreError
 
-            cfg = BotoConfig(connect_timeout=3, read_timeout=30, retries={"max_attempts": 3, "mode": "standard"})
+            # each request bounded by the budget; botocore retries only without one (Retrying's loop does)
+            connect, read = call_timeouts(self.retry_s)
+            cfg = BotoConfig(connect_timeout=connect, read_timeout=read,
+                             retries={"total_max_attempts": sdk_attempts(self.retry_s), "mode": "standard"})
             try:
                 self._client = boto3.session.Session().client(
                     "s3", endpoint_url=self.settings.endpoint, region_name=self.settings.region, config=cfg
@@ -286,7 +290,7 @@ class S3Storage:
         """The filesystem Ray Train writes its own files with (``ray_app.shared.s3fs.pyarrow_s3``)."""
         from ray_app.shared.s3fs import pyarrow_s3
 
-        return pyarrow_s3(self.settings.endpoint, self.settings.region, getattr(self._retrying, "budget_s", 0))
+        return pyarrow_s3(self.settings.endpoint, self.settings.region, self.retry_s)
 
     def ray_storage(self):
         return _join(self.settings.bucket, self.settings.prefix), self.pyarrow_fs()
@@ -299,14 +303,17 @@ def _once(what: str, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def open_storage(uri: str, retry_s: float = 0.0, then: str | None = None):
+def open_storage(uri: str, retry_s: float = 0.0, then: str | None = None, budget: str = BUDGET_KEY):
     """``run.storage`` -> LocalStorage or S3Storage (which retries transient errors for ``retry_s``; ``then``:
-    what its line says follows once the budget is spent, a worker group's restart by default)."""
-    return S3Storage(uri, retry_s, then) if uri.startswith("s3://") else LocalStorage(uri)
+    what its line says follows once the budget is spent, a worker group's restart by default; ``budget``: how
+    its lines name ``retry_s``, the config key unless a smaller budget derives from it)."""
+    return S3Storage(uri, retry_s, then, budget) if uri.startswith("s3://") else LocalStorage(uri)
 
 
 def preflight(storage) -> None:
-    """Fail fast (StorageError, one line) unless runs can be written where configured."""
+    """StorageError (one line) unless runs can be written where configured: at once for an answer that will
+    not change (a missing bucket, access denied); an unreachable S3 store is waited out within the
+    storage's retry budget (a resume's store may be in a short outage), then StorageUnavailable."""
     if isinstance(storage, LocalStorage):
         _preflight_local(storage)
     else:
@@ -334,7 +341,7 @@ def _preflight_s3(storage: S3Storage) -> None:
     s = storage.settings
     c = storage.client
     try:
-        c.head_bucket(Bucket=s.bucket)
+        storage.retry_raw("checking the bucket", c.head_bucket, Bucket=s.bucket)
     except EndpointConnectionError:
         raise StorageError(f"run.storage s3://{s.bucket}: cannot reach the S3 endpoint {s.endpoint or 'of AWS'}; "
                            "check AWS_ENDPOINT_URL_S3 and that the store is running") from None
@@ -363,13 +370,13 @@ def _probe_s3_write(storage: S3Storage) -> None:
     s = storage.settings
     key = _join(s.prefix, f".ray-app-probe-{uuid.uuid4().hex[:8]}")
     try:
-        storage.client.put_object(Bucket=s.bucket, Key=key, Body=b"probe")
+        storage.retry_raw("writing a probe", storage.client.put_object, Bucket=s.bucket, Key=key, Body=b"probe")
     except (ClientError, BotoCoreError) as exc:
         code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
         raise StorageError(f"run.storage s3://{s.bucket}/{s.prefix}: cannot write under the prefix ({code}); "
                            "grant s3:PutObject/s3:DeleteObject on it or choose another prefix") from None
     try:
-        storage.client.delete_object(Bucket=s.bucket, Key=key)
+        storage.retry_raw("deleting the probe", storage.client.delete_object, Bucket=s.bucket, Key=key)
     except (ClientError, BotoCoreError) as exc:
         code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
         raise StorageError(f"run.storage s3://{s.bucket}/{s.prefix}: can write but not delete ({code}); "

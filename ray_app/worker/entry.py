@@ -173,7 +173,8 @@ def hang_watchdog(cfg: Config, runtime: RayRuntime, job: dict):
     if not job.get("launch") or not dist.is_initialized() or runtime.world_size < 2:
         return None
     budget = min(cfg.failure.storage_retry_s, margin_s(cfg.failure.hang_timeout_s) / 2)
-    storage = open_storage(cfg.run.storage, retry_s=budget)
+    storage = open_storage(cfg.run.storage, retry_s=budget, then="the report is left out", budget=(
+        "the hang report's: the lesser of failure.storage_retry_s and half of failure.hang_timeout_s's margin"))
     return start_watchdog(storage, cfg.run.name, job["launch"], cfg.failure.hang_timeout_s, runtime.rank,
                                runtime.world_size, attempt_key=job.get("attempt_key", "").encode() or None,
                                stale_alone=cfg.scaling.use_gpu)  # nccl: a collective returns once queued

@@ -4,7 +4,9 @@
   with backoff, the run completes, every committed checkpoint verifies;
 - an outage longer than the budget: the upload gives up, the worker group restarts, resumes from
   the newest committed checkpoint (never the half-uploaded one), and the run completes once the
-  store is back.
+  store is back;
+- an outage as a command starts (eval, a warm start, a resume of the run on S3): waited out at the
+  preflight and the first reads.
 """
 
 from __future__ import annotations
@@ -170,17 +172,20 @@ def test_an_outage_longer_than_the_budget_restarts_from_the_newest_committed_che
     assert shown["parts"]["restarts"] > 0 and shown["parts"]["recomputed"] > 0, shown["parts"]
 
 
+SOURCE_RUN = "source"
+SOURCE_STEPS = 4  # 64 samples / batch 16, one worker
+SOURCE = ["--set", f"run.name={SOURCE_RUN}", "--set", "data.name=synthetic", "--set", "data.args.num_samples=64",
+          "--set", "data.args.image_size=16", "--set", "data.batch_size=16", "--set", "model.name=digits_cnn",
+          "--set", "metrics.enabled=false", "--set", "scaling.num_workers=1"]
+
+
 @pytest.fixture(scope="module")
 def trained_on_s3(s3):
     """A short run on S3 (one checkpoint): what eval and a warm start read."""
-    run = "source"
-    rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{run}", "--set", f"run.name={run}",
-                            "--set", "data.name=synthetic", "--set", "data.args.num_samples=64",
-                            "--set", "data.args.image_size=16", "--set", "data.batch_size=16",
-                            "--set", "model.name=digits_cnn", "--set", "train.epochs=1",
-                            "--set", "metrics.enabled=false", "--set", "scaling.num_workers=1"], s3.env())
+    rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{SOURCE_RUN}", *SOURCE,
+                            "--set", "train.epochs=1"], s3.env())
     assert rc == 0, (out + err)[-4000:]
-    return f"s3://{s3.bucket}/{run}/{run}"
+    return f"s3://{s3.bucket}/{SOURCE_RUN}/{SOURCE_RUN}"
 
 
 @pytest.mark.timeout(400)
@@ -217,3 +222,20 @@ def test_eval_and_a_warm_start_ride_out_an_outage_at_their_start_and_a_longer_on
     assert lines[-1].startswith(f"ray-app: error: storage s3://{s3.bucket}") and "no answer for" in lines[-1] and \
         "AWS_ENDPOINT_URL_S3" in lines[-1], lines
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_of_a_run_on_s3_rides_out_an_outage_at_its_preflight(s3, proxy, trained_on_s3):
+    """``ray-app train`` again into the run on S3 (more steps to train) while the store refuses for 10 s from
+    the start: the preflight waits it out (one line each way), the run resumes from its checkpoint and goes on."""
+    proxy.outage(10)
+    rc, out, err = ray_app(["train", "--set", f"run.storage=s3://{s3.bucket}/{SOURCE_RUN}", *SOURCE,
+                            "--set", "train.epochs=2", "--set", f"train.max_steps={SOURCE_STEPS + 1}"],
+                           s3.env(endpoint=proxy.endpoint))
+    text = out + err
+    assert rc == 0, text[-4000:]
+    assert re.search(r"unreachable \(\w+\) during checking the bucket; retrying for up to 120 s "
+                     r"\(failure\.storage_retry_s\)", err), err[-3000:]
+    assert "answers again after" in err and "Traceback" not in text, text[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["resumed_from_step"] == SOURCE_STEPS and summary["global_step"] == SOURCE_STEPS + 1, summary

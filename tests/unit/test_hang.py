@@ -301,6 +301,36 @@ def test_reports_go_to_s3_and_the_line_names_the_folder_there(s3, monkeypatch):
                     f"step 40 that ranks 0,1,3 wait in; stacks in {uri}/r/reports/20260101T000000Z-attempt-1/")
 
 
+@pytest.mark.timeout(60)
+def test_a_storage_outage_is_said_as_one_not_as_a_hang(tmp_path, capsys, monkeypatch):
+    """Rank 0 gave up on the store (the other rank lost its peer): the policy's line says storage, not hang,
+    and reads no report. Reports that cannot be read because the store does not answer: the same."""
+    from ray.train import FailureConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_app.controller.failure_policy import KitFailurePolicy
+    from ray_app.shared.errors import PeerLost, StorageUnavailable
+
+    gave_up = StorageUnavailable("storage s3://b at http://127.0.0.1:9: no answer for 20 s during upload of r/x "
+                                 "(ReadTimeoutError), retried for up to 20 s (failure.storage_retry_s); the worker "
+                                 "group restarts from the newest committed checkpoint")
+    policy = KitFailurePolicy(FailureConfig(max_failures=5),
+                              hang_reports=hang_verdict.HangReports(str(tmp_path), "r", "20260101T000000Z"))
+    policy.make_decision(WorkerGroupError("x", {0: gave_up, 1: PeerLost("gloo: Connection closed by peer")}))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ray-app: storage unavailable (not a hang): rank 0 gave up on the store; no hang report read", out
+    assert out[1].startswith(f"ray-app: {str(gave_up).split('; the worker')[0]}"), out  # the restart names the store
+    assert not any("hang:" in line for line in out), out
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    for key, value in dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLE", AWS_SECRET_ACCESS_KEY="x", AWS_REGION="us-east-1").items():
+        monkeypatch.setenv(key, value)
+    reports = hang_verdict.HangReports("s3://b/runs", "r", "20260101T000000Z", retry_s=1)
+    line = reports.line({1: RuntimeError("the health check timed out")})
+    assert line.startswith("storage unavailable: the hang reports under s3://b/runs could not be read (storage s3://b"), line
+    assert "retried for up to 1 s (the hang reports' read: failure.storage_retry_s, at most 5 s)" in line, line
+
+
 def test_with_nccl_a_stale_counter_reports_alone_and_the_verdict_reads_ranks_waiting_after_a_queued_collective():
     """nccl's collectives return once queued: a rank waits on one later, at its next sync with the GPU,
     outside the count. Its counter stops moving; it writes alone, once per position of the counter."""
