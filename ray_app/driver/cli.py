@@ -83,8 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"how long an unreachable store is waited out (default {RETRY_DEFAULT_S:g}, as "
                             "failure.storage_retry_s)")
         if name == "export":
-            a.add_argument("--out", required=True, metavar="FILE", help="where to write the state_dict (.pt)")
-            a.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+            a.add_argument("--out", required=True, metavar="PATH",
+                           help="where to write it: a .pt file (--format pt), a folder (--format hf)")
+            a.add_argument("--format", choices=("pt", "hf"), default="pt",
+                           help="pt: the model's state_dict in one file (default); hf: a folder transformers' "
+                                "from_pretrained loads (config.json, safetensors, index, tokenizer), for a "
+                                "model.name hf run")
+            a.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+                           help="--format hf: the most bytes of one safetensors file (default 5)")
+            a.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
 
     u = sub.add_parser("runs", help="the runs under a storage and their state; a run's timeline and where its "
                                     "wall time went (its journal)")
@@ -300,22 +307,18 @@ def _describe(storage, rel: str, name: str) -> dict:
 
 
 def _export(args) -> int:
-    import torch
-
-    from ray_app.shared import catalog
-    from ray_app.worker import checkpoint as ck
+    from ray_app.driver.export import export_hf, export_pt
 
     out = Path(args.out)
     if out.exists() and not args.force:
         raise UserError(f"--out {out} already exists; choose another path or pass --force")
-    loaded = ck.load_uri(args.uri, rank=None, model_only=True, retry_s=args.storage_retry_s, then=catalog.AT_START,
-                         say=lambda line: print(line, file=sys.stderr, flush=True))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(loaded.model, tmp)
-    tmp.replace(out)
-    print(json.dumps({"checkpoint": loaded.uri, "out": str(out), "tensors": len(loaded.model),
-                      "global_step": loaded.global_step}))
+    if args.format == "hf":
+        if not args.max_shard_gb > 0:
+            raise UserError(f"--max-shard-gb {args.max_shard_gb:g}: give a size above 0, e.g. 5")
+        summary = export_hf(args.uri, out, args.storage_retry_s, args.max_shard_gb)
+    else:
+        summary = export_pt(args.uri, out, args.storage_retry_s)
+    print(json.dumps(summary))
     return EXIT_OK
 
 

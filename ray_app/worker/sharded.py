@@ -298,6 +298,32 @@ class ShardedRef:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
+    def model_tensors(self) -> dict:
+        """Each tensor of the model's state as the checkpoint holds it whole: name -> (shape, dtype), read from
+        DCP's metadata alone."""
+        cache = Path(tempfile.mkdtemp(prefix="ray-app-export-"))
+        try:
+            meta = self._reader("model", cache).read_metadata()
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                if hasattr(m, "size") and hasattr(m, "properties")}
+
+    def consolidate_some(self, names) -> dict:
+        """The model tensors ``names``, whole, read in this process alone (only their pieces are read)."""
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        shapes = self.model_tensors()
+        state = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in names}
+        cache = Path(tempfile.mkdtemp(prefix="ray-app-export-"))
+        try:
+            _load_state_dict(state, storage_reader=self._reader("model", cache), planner=DefaultLoadPlanner(),
+                             no_dist=True)
+            return state
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
     def consolidate_model(self) -> dict:
         """The whole model state (plain tensors keyed by parameter name), read in this process alone: no
         process group, nothing of the optimizer read."""

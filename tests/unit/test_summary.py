@@ -11,10 +11,10 @@ import pytest
 
 from ray_app.driver import launcher
 from ray_app.shared import journal
+from ray_app.shared.catalog import Position, TrainState
 from ray_app.shared.config import load_config
 from ray_app.shared.errors import PeerLost, Preempted
 from ray_app.shared.storage import LocalStorage
-from ray_app.worker.resume import Position, TrainState
 
 
 def _policy_decides(cfg, run: str, launch: str, errors: dict[int, BaseException]) -> None:
