@@ -217,7 +217,7 @@ def read_journal(storage, run: str, names: list[str] | None = None) -> tuple[lis
         try:
             event = json.loads(body)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            unreadable.append((name, f"{type(exc).__name__}: {first_line(exc, 200)}"))
+            unreadable.append((name, f"{type(exc).__name__}: {first_line(exc)}"))
             continue
         if isinstance(event, dict) and "kind" in event and "time" in event:
             events.append(event)

@@ -78,7 +78,7 @@ def write_state(local: Path, model_sd: dict, optim_sd: dict, group=None) -> None
             dcp.save(sd, storage_writer=FileSystemWriter(local / name, sync_files=False), process_group=group)
         except CheckpointException as exc:  # DCP's BaseException: a local write failed (a full disk, most likely)
             inner = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
-            why = f"{type(inner[0]).__name__}: {first_line(inner[0], 200)}" if inner else first_line(exc, 200)
+            why = f"{type(inner[0]).__name__}: {first_line(inner[0])}" if inner else first_line(exc)
             raise StorageError(f"{local}: writing this rank's share of a checkpoint failed ({why}); free space in "
                                "the temp folder (TMPDIR) of the workers; the same run then resumes from its newest "
                                "committed checkpoint") from None

@@ -301,7 +301,8 @@ def _tiny_imagefolder(root):
 def test_builtin_data_channels_are_those_of_the_real_data_sets(tmp_path):
     from ray_app.shared import data
 
-    assert set(plugins.BUILTIN_DATA_CHANNELS) == set(BUILTIN["data"]) - {"shards"}  # shards: its manifest's info
+    # shards: its manifest's info; text: tokens, no image channels
+    assert set(plugins.BUILTIN_DATA_CHANNELS) == set(BUILTIN["data"]) - {"shards", "text"}
     _tiny_cifar(tmp_path / "c")
     _tiny_imagefolder(tmp_path / "i")
     real = {"digits": data.digits(), "synthetic": data.synthetic(num_samples=4, image_size=4),

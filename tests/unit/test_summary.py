@@ -47,14 +47,14 @@ def test_the_summary_lists_this_launchs_restarts_and_counts_wall_seconds_from_th
 
     def preflight(cfg_):  # the preflight and its waits count in the wall time
         time.sleep(0.3)
-        return storage
+        return storage, None, set()
 
     def launch(cfg_, job, run, storage_path, fs=None):
         _policy_decides(cfg_, run, job["launch_id"], {0: _lost(0, 41), 1: RuntimeError("the actor died unexpectedly")})
         _policy_decides(cfg_, run, job["launch_id"], {0: Preempted("preempted at step 50"), 1: Preempted("x")})
         return {"global_step": 64, "train_loss": 0.37, "epochs": 2}
 
-    monkeypatch.setattr(launcher, "preflight_run", preflight)
+    monkeypatch.setattr(launcher, "preflight_train", preflight)
     monkeypatch.setattr(launcher, "launch", launch)
     monkeypatch.setattr(launcher, "DRIVER_START_UNIX", time.time() - 30.0)  # the driver started 30 s ago
     summary = launcher.run_training(cfg)
