@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ray_app.shared.errors import ConfigError
+from ray_app.worker.lora import file_name
 
 
 def pending_weights(module: torch.nn.Module):
@@ -42,8 +43,9 @@ def local_rows(param: torch.Tensor) -> slice | None:
 
 
 def _source_name(weights, names: list[str]) -> str:
-    """The name a parameter has in the files: its own, or (a tied weight) one of its aliases'."""
-    for name in names:
+    """The name a parameter has in the files: its own, or (a tied weight) one of its aliases', as the unwrapped
+    model names it (a LoRA model's base: ``ray_app.worker.lora.file_name``)."""
+    for name in map(file_name, names):
         if name in weights.files:
             return name
     raise ConfigError(f"config key model.args.path: {weights.path} holds no tensor {names[0]!r} "
@@ -66,15 +68,22 @@ def load_pretrained(module: torch.nn.Module, device: torch.device) -> int:
         module.get_submodule(owner)._buffers[leaf] = b.to(device)
     read = 0
     names_of = {name: names for names in aliases.values() for name in names}
+    adapters = getattr(module, "ray_app_adapters", {})  # LoRA's initial values (ray_app.worker.lora)
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if name in adapters:
+                rows = local_rows(p)
+                _fill(p, adapters[name] if rows is None else adapters[name][rows])
+                continue
             src = _source_name(weights, names_of[name])
             read += _fill(p, weights.read(src, local_rows(p)))
         for name, b in module.named_buffers():
-            if name in weights.files:
-                read += _fill(b, weights.read(name))
+            if file_name(name) in weights.files:
+                read += _fill(b, weights.read(file_name(name)))
     _tie_again(module, aliases)
     del module.ray_app_weights
+    if adapters:
+        del module.ray_app_adapters
     return read
 
 
