@@ -77,6 +77,14 @@ def apply_lora(module: torch.nn.Module, lora: dict) -> torch.nn.Module:
     return model
 
 
+def check_targets(args: dict, lora: dict, retry_s: float) -> None:
+    """Before Ray (``model.name: hf``): ``model.lora`` applied to the model made on meta from its config
+    alone, so a target that matches nothing is one line there."""
+    from ray_app.shared.hf import pretrained
+
+    apply_lora(pretrained(**{**args, "retry_s": retry_s}), lora)
+
+
 def _initial_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' initial values, made real on the CPU by peft's own init (in module order, from the seeded
     RNG: the same on every rank), keyed by parameter name; the model's adapters stay on meta until

@@ -193,3 +193,12 @@ def test_peft_export_of_a_run_without_lora_is_one_line(lora_runs, tmp_path):
 
     with pytest.raises(UserError, match="without model.lora"):
         export_peft(f"{lora_runs['storage']}/full", tmp_path / "a", 5)
+
+
+def test_a_target_matching_nothing_in_an_hf_model_is_one_line_before_ray(folders):
+    from ray_app.driver.launcher import validate_before_ray
+
+    cfg = load_config(None, _overrides(folders) + ["model.lora.target_modules=[q_proj,qkv]"])
+    with pytest.raises(ConfigError, match=r"^config key model.lora.target_modules: qkv match no module .*: down_proj"):
+        validate_before_ray(cfg)
+    validate_before_ray(load_config(None, _overrides(folders) + LORA))
