@@ -524,7 +524,7 @@ def _migrated(tree: dict) -> dict:
 # metrics settings, data.path and data.loader_workers, the resources per worker, and the number of
 # workers: the loop re-shards the rest of an epoch over another world size).
 RESUME_MUST_MATCH = (
-    "model.name", "model.args", "data.name", "data.args", "task.name", "task.args", "run.seed",
+    "model.name", "model.args", "model.lora", "data.name", "data.args", "task.name", "task.args", "run.seed",
     "data.batch_size", "train.grad_accum", "train.optimizer",
 )
 
