@@ -59,9 +59,9 @@ def apply_lora(module: torch.nn.Module, lora: dict) -> torch.nn.Module:
             raise ConfigError(f"config key model.lora.target_modules: required for this model (peft has no default "
                               f"for {model_type or type(module).__name__}); its Linear modules: "
                               f"{', '.join(linear_names(module))}")
-    if targets is not None:
-        present = {name.rpartition(".")[2] for name, _ in module.named_modules()}
-        missing = [t for t in targets if t not in present]
+    else:
+        names = [name for name, _ in module.named_modules()]
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]  # peft's rule
         if missing:
             raise ConfigError(f"config key model.lora.target_modules: {', '.join(missing)} match no module of the "
                               f"model; its Linear modules: {', '.join(linear_names(module))}")
