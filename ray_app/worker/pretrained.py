@@ -7,6 +7,8 @@ gives every parameter real storage on the device (``to_empty``), puts back the b
 it was made (``to_empty`` would leave them empty), ties the tied weights again, and fills each local piece
 with those rows of the tensor, read by byte range from the safetensors file. Under FSDP at N ranks a rank
 reads about 1/N of the weights and never holds the rest; under DDP every rank reads them all (it holds them all).
+A LoRA model (``ray_app.worker.lora``): its base tensors are read under the files' names, its adapters filled
+with the initial values made before sharding.
 """
 
 from __future__ import annotations
