@@ -5,6 +5,7 @@ the adapter folder, both giving the adapted model's logits."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -187,12 +188,17 @@ def test_hf_export_of_a_lora_run_is_the_merged_model_and_peft_export_the_adapter
         torch.testing.assert_close(adapted(IDS).logits, want, rtol=0, atol=0)
 
 
-def test_peft_export_of_a_run_without_lora_is_one_line(lora_runs, tmp_path):
-    from ray_app.driver.export import export_peft
-    from ray_app.shared.errors import UserError
-
-    with pytest.raises(UserError, match="without model.lora"):
-        export_peft(f"{lora_runs['storage']}/full", tmp_path / "a", 5)
+def test_peft_export_through_the_command_line_and_of_a_run_without_lora_one_line_exit_2(lora_runs, run_cli,
+                                                                                          tmp_path):
+    rc, out, err = run_cli(["checkpoints", "export", f"{lora_runs['storage']}/mid", "--format", "peft",
+                            "--out", str(tmp_path / "a")], timeout=120)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[-1])["format"] == "peft" and (tmp_path / "a" / "adapter_config.json").exists()
+    rc, _, err = run_cli(["checkpoints", "export", f"{lora_runs['storage']}/full", "--format", "peft",
+                          "--out", str(tmp_path / "b")], timeout=120)
+    lines = [ln for ln in err.splitlines() if "error" in ln]
+    assert rc == 2 and len(lines) == 1 and "without model.lora" in lines[0], err
+    assert not (tmp_path / "b").exists()
 
 
 def test_a_target_matching_nothing_in_an_hf_model_is_one_line_before_ray(folders):
