@@ -84,11 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "failure.storage_retry_s)")
         if name == "export":
             a.add_argument("--out", required=True, metavar="PATH",
-                           help="where to write it: a .pt file (--format pt), a folder (--format hf)")
-            a.add_argument("--format", choices=("pt", "hf"), default="pt",
+                           help="where to write it: a .pt file (--format pt), a folder (--format hf, peft)")
+            a.add_argument("--format", choices=("pt", "hf", "peft"), default="pt",
                            help="pt: the model's state_dict in one file (default); hf: a folder transformers' "
                                 "from_pretrained loads (config.json, safetensors, index, tokenizer), for a "
-                                "model.name hf run")
+                                "model.name hf run (a model.lora run: the base with its adapters merged); "
+                                "peft: a model.lora run's adapter folder, as PeftModel.save_pretrained writes it")
             a.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
                            help="--format hf: the most bytes of one safetensors file (default 5)")
             a.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
@@ -307,7 +308,7 @@ def _describe(storage, rel: str, name: str) -> dict:
 
 
 def _export(args) -> int:
-    from ray_app.driver.export import export_hf, export_pt
+    from ray_app.driver.export import export_hf, export_peft, export_pt
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -316,6 +317,8 @@ def _export(args) -> int:
         if not args.max_shard_gb > 0:
             raise UserError(f"--max-shard-gb {args.max_shard_gb:g}: give a size above 0, e.g. 5")
         summary = export_hf(args.uri, out, args.storage_retry_s, args.max_shard_gb)
+    elif args.format == "peft":
+        summary = export_peft(args.uri, out, args.storage_retry_s)
     else:
         summary = export_pt(args.uri, out, args.storage_retry_s)
     print(json.dumps(summary))

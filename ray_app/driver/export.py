@@ -8,6 +8,11 @@ files of at most ``--max-shard-gb`` (5 by default) each, with ``model.safetensor
 several, and the tokenizer's files when the run read ``data.name: text``. A checkpoint every rank wrote (of any
 world size, either strategy) is consolidated one output file at a time: this process holds the tensors of
 the file being written, never the whole model. The folder is written beside PATH and renamed into place last.
+A ``model.lora`` run's checkpoint holds its adapters only: ``hf`` writes the base from ``model.args.path`` with
+the adapters merged (peft's ``merge_and_unload``; this process holds the whole model).
+
+``peft``: a ``model.lora`` run's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``), as
+``PeftModel.save_pretrained`` writes it; ``PeftModel.from_pretrained(base, PATH)`` loads it.
 """
 
 from __future__ import annotations
@@ -57,12 +62,10 @@ def plan_files(tensors: dict, max_bytes: int) -> list[list[str]]:
     return files
 
 
-def export_hf(uri: str, out: Path, retry_s: float, max_shard_gb: float = SAFE_MAX_GB) -> dict:
-    import torch
-    from safetensors.torch import save_file
-
+def _hf_run(uri: str, retry_s: float, fmt: str):
+    """The checkpoint ``uri`` chooses, its run's config, and a reader of its model tensors:
+    (found, run, shapes, read)."""
     from ray_app.shared import catalog
-    from ray_app.shared.hf import _storage
     from ray_app.worker import checkpoint as ck
     from ray_app.worker.checkpoint import SHARDED_FORMAT
     from ray_app.worker.sharded import ShardedRef
@@ -70,28 +73,71 @@ def export_hf(uri: str, out: Path, retry_s: float, max_shard_gb: float = SAFE_MA
     found = catalog.choose(uri, keep=ck.needed(None, model_only=True), retry_s=retry_s, then=catalog.AT_START,
                            say=say)
     run = found.json("config.json")
-    model, data = run.get("model", {}), run.get("data", {})
+    model = run.get("model", {})
     if model.get("name") != "hf":
-        raise UserError(f"--format hf: {found.uri} is a checkpoint of model.name {model.get('name')!r}; --format hf "
-                        "writes a model.name hf run's model (its config.json comes from model.args.path); use "
+        raise UserError(f"--format {fmt}: {found.uri} is a checkpoint of model.name {model.get('name')!r}; --format "
+                        f"{fmt} writes a model.name hf run's model (its config.json comes from model.args.path); use "
                         "--format pt for this one")
-    source = _storage(model["args"]["path"], retry_s)
-    hf_config = json.loads(source.read_bytes("config.json"))
+    if fmt == "peft" and not model.get("lora"):
+        raise UserError(f"--format peft: {found.uri} is a checkpoint of a run without model.lora; it holds no "
+                        "adapters: use --format hf for its model")
     if found.manifest["format"] == SHARDED_FORMAT:
         ref = ShardedRef(found.storage, found.rel, found.manifest["files"], found.verification.contents)
-        shapes = ref.model_tensors()
-        read = ref.consolidate_some
-    else:  # the earlier single-file format: the state is one file already
-        whole = ck.load(found, None, model_only=True).model
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}
-        read = lambda names: {k: whole[k] for k in names}  # noqa: E731
+        return found, run, ref.model_tensors(), ref.consolidate_some
+    whole = ck.load(found, None, model_only=True).model  # the earlier single-file format: the state is one file already
+    return found, run, {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}, lambda names: {k: whole[k] for k in names}
+
+
+def _adapted(run: dict, adapters: dict, retry_s: float):
+    """The run's model in this process: the base read from ``model.args.path``, the checkpoint's adapters in."""
+    import torch
+
+    from ray_app.shared.hf import pretrained
+    from ray_app.worker.lora import apply_lora
+    from ray_app.worker.pretrained import load_pretrained
+
+    args = run["model"].get("args", {})
+    model = pretrained(args["path"], args.get("dtype", "float32"), args.get("trust_remote_code", False), retry_s)
+    model = apply_lora(model, run["model"]["lora"])
+    load_pretrained(model, torch.device("cpu"))
+    missing = set(adapters) - set(model.state_dict())
+    if missing:
+        raise UserError(f"the checkpoint holds {len(missing)} tensors this run's model.lora does not make "
+                        f"(e.g. {sorted(missing)[0]}); it is not this config's")
+    model.load_state_dict(adapters, strict=False)
+    return model
+
+
+def export_peft(uri: str, out: Path, retry_s: float) -> dict:
+    found, run, shapes, read = _hf_run(uri, retry_s, "peft")
+    model = _adapted(run, read(list(shapes)), retry_s)
+    model.peft_config["default"].base_model_name_or_path = run["model"]["args"]["path"]
+    tmp = _fresh(out)
+    model.save_pretrained(str(tmp))
+    _into_place(tmp, out)
+    return {"checkpoint": found.uri, "out": str(out), "format": "peft", "tensors": len(shapes),
+            "global_step": found.manifest.get("global_step")}
+
+
+def export_hf(uri: str, out: Path, retry_s: float, max_shard_gb: float = SAFE_MAX_GB) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    from ray_app.shared.hf import _storage
+
+    found, run, shapes, read = _hf_run(uri, retry_s, "hf")
+    model, data = run["model"], run.get("data", {})
+    source = _storage(model["args"]["path"], retry_s)
+    hf_config = json.loads(source.read_bytes("config.json"))
+    if model.get("lora"):  # the adapters merged into the base
+        merged = _adapted(run, read(list(shapes)), retry_s).merge_and_unload().state_dict()
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in merged.items()}
+        read = lambda names: {k: merged[k] for k in names}  # noqa: E731
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" in shapes:
         shapes.pop("lm_head.weight")  # as save_pretrained writes a tied model: the embedding once
     sizes = {k: int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for k, (s, d) in shapes.items()}
     groups = plan_files(sizes, int(max_shard_gb * 1e9))
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh(out)
     weight_map = {}
     for i, names in enumerate(groups, start=1):
         name = "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
@@ -106,12 +152,24 @@ def export_hf(uri: str, out: Path, retry_s: float, max_shard_gb: float = SAFE_MA
     copied = _copy_small(source, tmp, HF_CONFIG_FILES)
     if data.get("name") == "text" and data.get("args", {}).get("tokenizer"):
         copied += _copy_small(_storage(data["args"]["tokenizer"], retry_s), tmp, TOKENIZER_FILES)
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(tmp, out)
+    _into_place(tmp, out)
     return {"checkpoint": found.uri, "out": str(out), "format": "hf", "tensors": len(weight_map),
             "files": len(groups), "bytes": sum(sizes.values()), "copied": copied,
             "global_step": found.manifest.get("global_step")}
+
+
+def _fresh(out: Path) -> Path:
+    """An empty folder beside ``out`` to write into."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _into_place(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
 
 
 def _copy_small(storage, folder: Path, names) -> list[str]:

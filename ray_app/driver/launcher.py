@@ -312,6 +312,10 @@ def validate_before_ray(cfg: Config) -> None:
         from ray_app.shared.hf import check_pretrained
 
         model_config = check_pretrained(cfg.model.args, retry_s=cfg.failure.storage_retry_s)
+        if cfg.model.lora:  # its targets against the model made on meta (its config read, no weights)
+            from ray_app.worker.lora import check_targets
+
+            check_targets(cfg.model.args, cfg.model.lora, retry_s=cfg.failure.storage_retry_s)
     if target("data", cfg.data.name) == TEXT_TARGET:  # the text and the tokenizer, against the model's config
         from ray_app.shared.text import check_text
 

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from ray_app.shared.errors import ConfigError
+from ray_app.shared.lora import lora_settings
 
 
 def _f(default, help: str, choices=None, min=None, max=None):
@@ -74,6 +75,10 @@ class ModelSection:
                    "or your own package.module:Class (an nn.Module class or a function returning one).")
     args: dict = _args("Keyword arguments of the model; entries of the data's info (num_classes, ...) fill "
                        "parameters not given here.")
+    lora: dict = _args("LoRA through peft (empty = off): r (rank, default 8), alpha (default 16), dropout (default "
+                       "0.0), target_modules (names of Linear modules, e.g. [q_proj, v_proj]; default: peft's for "
+                       "the architecture). Only the adapters train and sit in checkpoints; the base comes from "
+                       "model.args.path at every start.")
 
 
 @dataclass
@@ -365,6 +370,7 @@ def _yaml_scalar(raw: str, text: str, key: str) -> Any:
 
 
 def _check_cross_field(cfg: Config) -> None:
+    lora_settings(cfg.model.lora)
     if not _RUN_NAME.match(cfg.run.name):
         raise ConfigError(
             f"config key run.name: {cfg.run.name!r} is not a valid run name; use letters, digits, '.', '_' or '-'"
@@ -518,7 +524,7 @@ def _migrated(tree: dict) -> dict:
 # metrics settings, data.path and data.loader_workers, the resources per worker, and the number of
 # workers: the loop re-shards the rest of an epoch over another world size).
 RESUME_MUST_MATCH = (
-    "model.name", "model.args", "data.name", "data.args", "task.name", "task.args", "run.seed",
+    "model.name", "model.args", "model.lora", "data.name", "data.args", "task.name", "task.args", "run.seed",
     "data.batch_size", "train.grad_accum", "train.optimizer",
 )
 

@@ -167,7 +167,7 @@ class LoadedCheckpoint:
             if optimizer is not None:
                 strategy.load_full_optimizer_state(model, optimizer, self.optimizer)
         else:
-            getattr(model, "module", model).load_state_dict(self.model)
+            getattr(model, "module", model).load_state_dict(self.model, strict=not strategy.is_lora(model))
             if optimizer is not None:
                 optimizer.load_state_dict(self.optimizer)
 

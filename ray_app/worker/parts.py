@@ -18,6 +18,7 @@ from ray_app.shared.config import Config
 from ray_app.shared.plugins import build_data, build_model, build_task
 from ray_app.worker.ddp import ResumableDistributedSampler, assert_identical_parameters, data_samplers, lr_lambda, seed_everything
 from ray_app.worker.evaluation import EvalSet
+from ray_app.worker.lora import apply_lora, is_lora
 from ray_app.worker.pretrained import load_pretrained, pending_weights
 from ray_app.worker.strategy import fully_shard_model
 
@@ -63,7 +64,7 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     info = dict(info)
     collate_fn = info.pop("collate_fn", None)  # a data plug-in may hand over its own
     seed_everything(cfg.run.seed)  # practice 1: identical init on every rank
-    module = build_model(cfg, info)
+    module = apply_lora(build_model(cfg, info), cfg.model.lora)  # before sharding: the frozen base is sharded too
     pretrained = pending_weights(module) is not None  # made on the meta device: each rank reads what it holds
     module = module if pretrained else module.to(runtime.device)
     if cfg.train.strategy == "fsdp":  # practice 1 on the unsharded parameters: FSDP broadcasts nothing
@@ -117,9 +118,10 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, steps_per_epoch: int, total_steps: int):
     t = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad or not is_lora(model)]  # model.lora: the adapters
     if t.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     warmup = round(t.warmup_epochs * steps_per_epoch)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup, total_steps))

@@ -7,6 +7,8 @@ gives every parameter real storage on the device (``to_empty``), puts back the b
 it was made (``to_empty`` would leave them empty), ties the tied weights again, and fills each local piece
 with those rows of the tensor, read by byte range from the safetensors file. Under FSDP at N ranks a rank
 reads about 1/N of the weights and never holds the rest; under DDP every rank reads them all (it holds them all).
+A LoRA model (``ray_app.worker.lora``): its base tensors are read under the files' names, its adapters filled
+with the initial values made before sharding.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ray_app.shared.errors import ConfigError
+from ray_app.worker.lora import file_name
 
 
 def pending_weights(module: torch.nn.Module):
@@ -42,8 +45,9 @@ def local_rows(param: torch.Tensor) -> slice | None:
 
 
 def _source_name(weights, names: list[str]) -> str:
-    """The name a parameter has in the files: its own, or (a tied weight) one of its aliases'."""
-    for name in names:
+    """The name a parameter has in the files: its own, or (a tied weight) one of its aliases', as the unwrapped
+    model names it (a LoRA model's base: ``ray_app.worker.lora.file_name``)."""
+    for name in map(file_name, names):
         if name in weights.files:
             return name
     raise ConfigError(f"config key model.args.path: {weights.path} holds no tensor {names[0]!r} "
@@ -66,15 +70,22 @@ def load_pretrained(module: torch.nn.Module, device: torch.device) -> int:
         module.get_submodule(owner)._buffers[leaf] = b.to(device)
     read = 0
     names_of = {name: names for names in aliases.values() for name in names}
+    adapters = getattr(module, "ray_app_adapters", {})  # LoRA's initial values (ray_app.worker.lora)
     with torch.no_grad():
         for name, p in module.named_parameters():
+            if name in adapters:
+                rows = local_rows(p)
+                _fill(p, adapters[name] if rows is None else adapters[name][rows])
+                continue
             src = _source_name(weights, names_of[name])
             read += _fill(p, weights.read(src, local_rows(p)))
         for name, b in module.named_buffers():
-            if name in weights.files:
-                read += _fill(b, weights.read(name))
+            if file_name(name) in weights.files:
+                read += _fill(b, weights.read(file_name(name)))
     _tie_again(module, aliases)
     del module.ray_app_weights
+    if adapters:
+        del module.ray_app_adapters
     return read
 
 

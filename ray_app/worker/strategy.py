@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ray_app.shared.errors import ConfigError
+from ray_app.worker.lora import is_lora
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -297,30 +298,47 @@ def full_value(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _options(model: torch.nn.Module, full: bool = False) -> StateDictOptions:
+    """A LoRA model's state is its adapters only (the frozen base comes from its files at every start)."""
+    lora = is_lora(model)
+    return StateDictOptions(full_state_dict=full, ignore_frozen_params=lora, strict=not lora)
+
+
 def train_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state keyed by parameter name: each rank's shards (DTensors) under FSDP, the whole
-    (replicated) state under DDP. What the sharded checkpoint writes, and the template it loads into."""
-    return get_state_dict(model, optimizer)
+    (replicated) state under DDP. What the sharded checkpoint writes, and the template it loads into. With
+    ``model.lora``, the adapters only."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+    return _trainable_only(model, model_sd), optim_sd
 
 
 def model_state(model: torch.nn.Module) -> dict:
-    return get_model_state_dict(model)
+    return _trainable_only(model, get_model_state_dict(model, options=_options(model)))
+
+
+def _trainable_only(model: torch.nn.Module, model_sd: dict) -> dict:
+    """A LoRA model's state without a frozen tensor ``ignore_frozen_params`` keeps (a tied head's alias)."""
+    if not is_lora(model):
+        return model_sd
+    module = getattr(model, "module", model)
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trainable}
 
 
 def load_train_state(model: torch.nn.Module, optimizer, model_sd: dict, optim_sd: dict) -> None:
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_options(model))
 
 
 def load_model_state(model: torch.nn.Module, model_sd: dict, *, full: bool = False) -> None:
     """``model_sd``: this rank's shards (as ``model_state`` gives), or with ``full`` the whole unsharded state
     (a single-file checkpoint, an export) that each rank cuts its shard from."""
-    set_model_state_dict(model, model_sd, options=FULL if full else StateDictOptions())
+    set_model_state_dict(model, model_sd, options=_options(model, full))
 
 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer, optim_sd: dict) -> None:
     """A single-file checkpoint's optimizer state (``optimizer.state_dict()``: keyed by parameter index) into
     a sharded model's optimizer: re-keyed by parameter name, each rank cutting its shard."""
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, p in model.named_parameters() if p.requires_grad or not is_lora(model)]  # the optimizer's
     live = [set(g) for g in optimizer.param_groups]  # a group's keys the live optimizer lacks (a scheduler's) stay out
 
     def group(i: int, g: dict) -> dict:
