@@ -46,6 +46,7 @@ def rank_main(rank: int, world: int, port: int, folder: str, how: str, out) -> N
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     import transformers  # noqa: F401 - imported by both ways: its import is not the load
+
     from ray_app.worker.strategy import fully_shard_model
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
