@@ -207,14 +207,15 @@ def _lines(exc: BaseException | str) -> list[str]:
 
 
 def first_line(exc: BaseException | str) -> str:
-    """An error's (or a text's) first non-blank line, at most ``LINE_LIMIT`` characters; its type's name if it
-    has none."""
+    """An error's (or a text's) first non-blank line, at most ``LINE_LIMIT`` characters; an error's type's name
+    if it has none ('' for a blank text)."""
     lines = _lines(exc)
-    return (lines[0] if lines else type(exc).__name__)[:LINE_LIMIT]
+    return (lines[0] if lines else "" if isinstance(exc, str) else type(exc).__name__)[:LINE_LIMIT]
 
 
 def last_line(exc: BaseException | str) -> str:
     """An error's (or a text's) last non-blank line, at most ``LINE_LIMIT`` characters: where a traceback's text
-    (Ray's of a remote error, a data pipeline's report) names the error; its type's name if it has none."""
+    (Ray's of a remote error, a data pipeline's report) names the error; an error's type's name if it has none
+    ('' for a blank text)."""
     lines = _lines(exc)
-    return (lines[-1] if lines else type(exc).__name__)[:LINE_LIMIT]
+    return (lines[-1] if lines else "" if isinstance(exc, str) else type(exc).__name__)[:LINE_LIMIT]

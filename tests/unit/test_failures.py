@@ -272,6 +272,7 @@ def test_an_errors_line_is_cut_at_one_limit_everywhere():
     long = ValueError("\n  " + "x" * 2000 + "\nsecond")
     assert errors.first_line(long) == "x" * errors.LINE_LIMIT
     assert errors.last_line(long) == "second" and errors.first_line(ValueError("")) == "ValueError"
+    assert errors.first_line("") == errors.last_line("  \n") == ""  # a blank text (a run that ended well: no line)
     peer = PeerLost.of(RuntimeError("Connection closed by peer " + "y" * 2000), rank=1, leaving=False)
     assert str(peer).endswith("y" * 10) and len(str(peer)) <= errors.LINE_LIMIT + 60
 
