@@ -1,7 +1,7 @@
 """Loading a pretrained Hugging Face model at 2 ranks under FSDP: the kit's ``model.name: hf`` (made on the
 meta device, each rank reading only its rows of the safetensors) against a plug-in that calls
 ``from_pretrained`` on every rank and then shards. Each way runs in fresh processes (2 gloo ranks); each rank
-reports its peak resident memory (``ru_maxrss``: the whole process's, and above what it held once torch and
+reports its peak resident memory (``VmHWM``: the whole process's, and above what it held once torch and
 transformers were imported) and its load time, from the start of building the model to
 the sharded model ready. Alternating rounds; medians.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,13 @@ def make_model(folder: str, layers: int, hidden: int) -> int:
     return n
 
 
+def high_water_kib() -> int:
+    """This process's peak resident memory (``VmHWM``, KiB). Not ``ru_maxrss``: that survives ``exec``, so a
+    spawned rank would start at the high-water mark of the process that made the model."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def rank_main(rank: int, world: int, port: int, folder: str, how: str, out) -> None:
     import torch
     import torch.distributed as dist
@@ -49,7 +55,7 @@ def rank_main(rank: int, world: int, port: int, folder: str, how: str, out) -> N
 
     from ray_app.worker.strategy import fully_shard_model
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = high_water_kib()
     t0 = time.perf_counter()
     if how == "kit":
         from ray_app.shared.hf import pretrained
@@ -63,7 +69,7 @@ def rank_main(rank: int, world: int, port: int, folder: str, how: str, out) -> N
         model = fully_shard_model(AutoModelForCausalLM.from_pretrained(folder), torch.device("cpu"), world)
     dist.barrier()
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = high_water_kib()
     out.put({"rank": rank, "how": how, "seconds": seconds, "peak_mib": peak / 1024, "start_mib": base / 1024})
     out.close()
     out.join_thread()
