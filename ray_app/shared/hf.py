@@ -26,6 +26,7 @@ import json
 import os
 import struct
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 
 from ray_app.shared.errors import ConfigError
@@ -144,7 +145,11 @@ class PretrainedWeights:
             begin, end = begin + rows.start * row_bytes, begin + rows.stop * row_bytes
             shape[0] = rows.stop - rows.start
         raw = self.storage.read_range(self.files[name], entry["__data_start__"] + begin, end - begin)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # read-only bytes: the tensor is only copied from, never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 _DTYPE_OF = {}  # safetensors' dtype names -> torch's, filled on first use
@@ -202,10 +207,20 @@ class parameters_on_meta:
             register(module, name, param)
 
         torch.nn.Module.register_parameter = on_meta
+        # the big ones (linear layers, embeddings) hold parameters only: made on meta at once, never
+        # allocated and initialized on the CPU first
+        self._inits = {cls: cls.__init__ for cls in (torch.nn.Linear, torch.nn.Embedding)}
+        for cls, init in self._inits.items():
+            def on_meta_init(module, *args, _init=init, **kwargs):
+                with torch.device("meta"):
+                    _init(module, *args, **kwargs)
+            cls.__init__ = on_meta_init
         return self
 
     def __exit__(self, *exc):
         import torch
 
         torch.nn.Module.register_parameter = self._register
+        for cls, init in self._inits.items():
+            cls.__init__ = init
         return False
