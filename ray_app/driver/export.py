@@ -83,7 +83,8 @@ def _hf_run(uri: str, retry_s: float, fmt: str):
                         "adapters: use --format hf for its model")
     if found.manifest["format"] == SHARDED_FORMAT:
         ref = ShardedRef(found.storage, found.rel, found.manifest["files"], found.verification.contents)
-        return found, run, ref.model_tensors(), ref.consolidate_some
+        shapes = ref.model_tensors()
+        return found, run, shapes, lambda names: ref.consolidate_some(names, shapes)
     whole = ck.load(found, None, model_only=True).model  # the earlier single-file format: the state is one file already
     return found, run, {k: (tuple(v.shape), v.dtype) for k, v in whole.items()}, lambda names: {k: whole[k] for k in names}
 

@@ -13,8 +13,8 @@
    here; a checkpoint ``ray-app checkpoints verify`` rejects is never used, and each skipped one is said once
    (``skipped_line``). Verifying reads every file once; the bytes a load needs are kept (``keep``), so the
    load reads nothing again.
-4. load: ``ray_app.worker.checkpoint.load`` turns a chosen checkpoint into tensors (``torch.load(...,
-   weights_only=True)``; a sharded one resharded through DCP). ``TrainState`` is the one schema of
+4. load: ``ray_app.worker.checkpoint.load`` turns a chosen checkpoint into tensors (every file through
+   ``torch.load(data, weights_only=True)``; a sharded one resharded through DCP). ``TrainState`` is the one schema of
    ``state.json`` (written and read by it only).
 5. delete: Ray Train's retention keeps ``checkpoint.keep`` committed ones; uncommitted folders go as above.
 

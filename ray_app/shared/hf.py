@@ -35,7 +35,6 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DTYPES = ("float32", "bfloat16", "float16")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 KEY = "model.args.path"
 
 
@@ -80,6 +79,11 @@ def weight_files(path: str, retry_s: float = 0.0) -> dict[str, str]:
 
 def check_pretrained(args: dict, retry_s: float = 0.0) -> dict:
     """What the driver checks before Ray starts; returns the config."""
+    return inspect_pretrained(args, retry_s)[0]
+
+
+def inspect_pretrained(args: dict, retry_s: float = 0.0) -> tuple[dict, dict[str, str]]:
+    """The checks of ``check_pretrained``; returns the config and each tensor's file (read once)."""
     path = args.get("path")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"config key {KEY}: model.name hf needs the folder or s3:// prefix of a "
@@ -92,8 +96,7 @@ def check_pretrained(args: dict, retry_s: float = 0.0) -> dict:
         raise ConfigError(f"config key model.args.trust_remote_code: {path}/{CONFIG} needs the model's own code "
                           f"({', '.join(sorted(config['auto_map']))}); the kit runs none unless "
                           "model.args.trust_remote_code=true, and only code inside that folder")
-    weight_files(path, retry_s)
-    return config
+    return config, weight_files(path, retry_s)
 
 
 # ---------------------------------------------------------------- safetensors read by range
@@ -116,7 +119,7 @@ class PretrainedWeights:
 
     path: str
     retry_s: float = 0.0
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # each tensor's file; empty: read from the index
     headers: dict[str, dict] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -137,7 +140,7 @@ class PretrainedWeights:
         import torch
 
         entry = self.header(name)
-        shape, dtype = list(entry["shape"]), _DTYPE_OF[entry["dtype"]]
+        shape, dtype = list(entry["shape"]), torch_dtype(entry["dtype"])
         begin, end = entry["data_offsets"]
         itemsize = torch.empty((), dtype=dtype).element_size()
         if rows is not None and shape:
@@ -152,15 +155,13 @@ class PretrainedWeights:
             return torch.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-_DTYPE_OF = {}  # safetensors' dtype names -> torch's, filled on first use
-
-
-def _fill_dtypes() -> None:
+def torch_dtype(name: str):
+    """safetensors' name of a dtype (``F32``, ``BF16``, ...) -> torch's."""
     import torch
 
-    _DTYPE_OF.update({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool})
+    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}[name]
 
 
 # ---------------------------------------------------------------- the model plug-in
@@ -171,24 +172,21 @@ def pretrained(path: str, dtype: str = "float32", trust_remote_code: bool = Fals
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _fill_dtypes()
     args = {"path": path, "dtype": dtype, "trust_remote_code": trust_remote_code}
-    check_pretrained(args, retry_s)
+    hf_config, files = inspect_pretrained(args, retry_s)
     storage = _storage(path, retry_s)
     with tempfile.TemporaryDirectory(prefix="ray-app-hf-config-") as folder:
-        names = [CONFIG] + ([f for f in storage.list_files("") if f.endswith(".py")] if trust_remote_code else [])
-        for name in names:  # the config (and, trusted, the model's own code): small files, never weights
-            with open(os.path.join(folder, name), "wb") as f:
+        with open(os.path.join(folder, CONFIG), "w") as f:
+            json.dump(hf_config, f)
+        for name in [f for f in storage.list_files("") if f.endswith(".py")] if trust_remote_code else []:
+            with open(os.path.join(folder, name), "wb") as f:  # trusted: the model's own code, never weights
                 f.write(storage.read_bytes(name))
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=True)
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
                                                      trust_remote_code=trust_remote_code)
-    model.ray_app_weights = PretrainedWeights(path, retry_s)
+    model.ray_app_weights = PretrainedWeights(path, retry_s, files)
     return model
-
-
-pretrained.check_before_ray = check_pretrained
 
 
 class parameters_on_meta:

@@ -309,12 +309,12 @@ class ShardedRef:
         return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                 if hasattr(m, "size") and hasattr(m, "properties")}
 
-    def consolidate_some(self, names) -> dict:
-        """The model tensors ``names``, whole, read in this process alone (only their pieces are read)."""
+    def consolidate_some(self, names, shapes: dict) -> dict:
+        """The model tensors ``names`` (``shapes``: ``model_tensors()``'s), whole, read in this process alone
+        (only their pieces are read)."""
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-        shapes = self.model_tensors()
         state = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in names}
         cache = Path(tempfile.mkdtemp(prefix="ray-app-export-"))
         try:
