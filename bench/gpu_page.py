@@ -168,7 +168,7 @@ def image(timeout: float) -> dict:
         raise CheckFailed(f"{IMAGE_GPU}: torch in the container sees no GPU with --gpus 1 ({info})")
     train = subprocess.run([*run, "ray-app", "train", "--config", "/app/configs/local.yaml",
                             "--set", "scaling.use_gpu=true", "--set", "scaling.num_workers=1",
-                            "--set", "train.amp=true"], capture_output=True, text=True,
+                            "--set", "train.precision=bf16-mixed"], capture_output=True, text=True,
                            timeout=max(30.0, timeout - (time.time() - t0)))
     if train.returncode != 0:
         raise CheckFailed(f"{IMAGE_GPU}: ray-app train on the GPU failed (exit {train.returncode}): "

@@ -84,7 +84,7 @@ WORKLOADS = {
     "gpu": {
         "compute": (*_COMMON, "model.name=resnet50", "data.args.image_size=128", "data.args.num_samples=8192",
                     "data.batch_size=256", "train.epochs=4", "train.log_every_steps=8", "train.lr=0.1",
-                    "train.amp=true", "scaling.use_gpu=true"),
+                    "train.precision=bf16-mixed", "scaling.use_gpu=true"),
         "startup_steps": 0,
     },
 }

@@ -19,7 +19,7 @@ import time
 import uuid
 
 from ray_app.shared import failures, ray_seam
-from ray_app.shared.config import Config, config_from_dict, strategy_keys_note
+from ray_app.shared.config import Config, config_from_dict, deprecated_keys_note, strategy_keys_note
 from ray_app.shared.errors import ConfigError, TrainingFailed, UserError, first_line
 from ray_app.worker.entry import ResultSlot, worker_main
 
@@ -320,7 +320,7 @@ def validate_before_ray(cfg: Config) -> None:
         from ray_app.shared.text import check_text
 
         check_text(cfg.data.args, model_config, retry_s=cfg.failure.storage_retry_s)
-    for note in (loader_workers_note(cfg), strategy_keys_note(cfg)):
+    for note in (deprecated_keys_note(cfg), loader_workers_note(cfg), strategy_keys_note(cfg)):
         if note:
             print(note, file=sys.stderr, flush=True)
 

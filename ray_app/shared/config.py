@@ -25,6 +25,9 @@ import yaml
 from ray_app.shared.errors import ConfigError
 from ray_app.shared.lora import lora_settings
 
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+BF16_RESOLUTION = 2.0 ** -8  # bf16 keeps 8 significant bits: 1 - x rounds to 1 for most weights when x is below
+
 
 def _f(default, help: str, choices=None, min=None, max=None):
     """A config field with its help text and bounds kept in metadata."""
@@ -102,7 +105,27 @@ class TrainSection:
     warmup_epochs: float = _f(0.0, "Linear warmup length in epochs, then cosine decay to zero.", min=0.0)
     grad_accum: int = _f(1, "Micro-batches per optimizer step; DDP all-reduces only on the last one.", min=1)
     clip_grad_norm: float = _f(0.0, "Clip the global gradient norm to this value (0 = off).", min=0.0)
-    amp: bool = _f(False, "bf16 autocast on CUDA (ignored on CPU).")
+    precision: str = _f("fp32", "Numeric precision: fp32; bf16-mixed (fp32 weights and optimizer state, bf16 "
+                        "compute: FSDP gathers parameters in bf16 and reduces gradients in fp32, DDP runs forward "
+                        "and loss under bf16 autocast; checkpoints hold the fp32 weights); bf16 (weights, gradients "
+                        "and optimizer state in bf16: half the memory, the optimizer's update rounded to bf16). CPU "
+                        "and CUDA alike; a run resumes under another precision (its checkpoint cast on load).",
+                        choices=list(PRECISIONS))
+    amp: bool = _f(False, "Deprecated: true is train.precision=bf16-mixed (and given with a train.precision that "
+                   "disagrees, an error).")
+    activation_checkpointing: str = _f("none", "Activation checkpointing of the model's blocks (the units "
+                                       "train.fsdp_units finds, under DDP too): none, full (every block keeps only its "
+                                       "input for backward and recomputes the rest; losses unchanged, bit for bit) or "
+                                       "selective (every train.ac_every-th block).",
+                                       choices=["none", "full", "selective"])
+    ac_every: int = _f(2, "selective activation checkpointing: every ac_every-th block is checkpointed.", min=1)
+    compile: bool = _f(False, "torch.compile each block (fullgraph, after activation checkpointing, before FSDP/DDP); "
+                       "the task's loss stays eager. The first steps compile (tens of seconds); the cache keeps "
+                       "a restarted worker group's compiles short.")
+    compile_cache_dir: str = _f("", "Where train.compile keeps its inductor and Triton caches: a folder on each node "
+                                "(or a shared volume). Empty: TORCHINDUCTOR_CACHE_DIR if set, else "
+                                "{temp dir}/ray_app-inductor-{uid}, the same for every run of the user on the node, "
+                                "so it outlives a worker-group restart.")
     log_every_steps: int = _f(20, "Optimizer steps between progress lines and metric updates.", min=1)
     bucket_cap_mb: int = _f(25, "DDP gradient bucket size in MB.", min=1)
     find_unused_parameters: bool = _f(False, "Passed to DDP: a model with parameters its loss does not use in a step "
@@ -115,7 +138,8 @@ class TrainSection:
                        "state sharded over the ranks, for models larger than one device).", choices=["ddp", "fsdp"])
     fsdp_units: str = _f("", "fsdp: the module classes sharded as units, comma-separated class names (e.g. Block); "
                          "empty: each block of the model's outermost ModuleLists and one-class ModuleDicts, else "
-                         "each top-level child with parameters.")
+                         "each top-level child with parameters. Also the blocks train.activation_checkpointing and "
+                         "train.compile apply to, under ddp too (without the fallback to top-level children).")
     reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (less memory, one more "
                                      "all-gather in backward).")
     max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)
@@ -305,9 +329,11 @@ def _coerce(key: str, value: Any, fld: dataclasses.Field, typ: tuple[type, bool]
     return value
 
 
-def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> None:
+def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> set[str]:
     """Set the keys of ``tree``; a plug-in's ``args`` mapping is replaced, or merged into with ``merge_args``
-    (``--set model.args.hidden=3`` adds one argument; ``--set model.args={}`` clears them)."""
+    (``--set model.args.hidden=3`` adds one argument; ``--set model.args={}`` clears them). Returns the keys
+    set (``section.key``)."""
+    given: set[str] = set()
     if not isinstance(tree, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections ({', '.join(SECTIONS)})")
     for section, values in tree.items():
@@ -332,6 +358,8 @@ def _apply(cfg: Config, tree: dict, origin: str, merge_args: bool = False) -> No
             if types_[key][0] is dict and merge_args:
                 value = _merge_args(getattr(obj, key), value)
             setattr(obj, key, value)
+            given.add(f"{section}.{key}")
+    return given
 
 
 def _field_type(section: str, key: str) -> type | None:
@@ -388,11 +416,24 @@ def _check_cross_field(cfg: Config) -> None:
                           f"scaling.num_workers={cfg.scaling.num_workers}; lower it (0 = a fixed size)")
     if cfg.scaling.use_gpu and cfg.scaling.gpus_per_worker <= 0:
         raise ConfigError("config key scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
+    _check_bf16_weight_decay(cfg.train)
     f = cfg.failure
     if f.hang_timeout_s <= f.storage_retry_s:
         raise ConfigError(f"config key failure.hang_timeout_s={f.hang_timeout_s:g} must exceed failure.storage_retry_s="
                           f"{f.storage_retry_s:g} (the other ranks wait while rank 0 retries an upload); raise it "
                           "or lower failure.storage_retry_s")
+
+
+def _check_bf16_weight_decay(t: TrainSection) -> None:
+    """``train.precision=bf16`` keeps the weights in bf16, where the optimizer's decay step, a weight times
+    ``1 - lr * weight_decay``, rounds back to the weight unless ``lr * weight_decay`` reaches bf16's resolution:
+    below it weight decay silently does nothing (at the peak LR already; the schedule only lowers the LR)."""
+    decay = t.lr * t.weight_decay
+    if t.precision == "bf16" and 0 < decay < BF16_RESOLUTION:
+        raise ConfigError(f"config key train.precision=bf16: train.lr x train.weight_decay = {decay:.3g} is below "
+                          f"bf16's resolution (2^-8 = {BF16_RESOLUTION:.4f}), so each step's weight decay rounds away "
+                          "in the bf16 weights and does nothing; use train.precision=bf16-mixed (fp32 master weights) "
+                          "or train.weight_decay=0")
 
 
 def read_config_file(path: str | os.PathLike) -> Any:
@@ -466,18 +507,46 @@ def _lines(first: int, second: int) -> str:
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- ``--set`` overrides, validated once."""
     cfg = Config()
-    if path is not None:
-        _apply(cfg, read_config_file(path), str(path))
-    _apply_overrides(cfg, overrides or [])
+    given = _apply(cfg, read_config_file(path), str(path)) if path is not None else set()
+    given |= _apply_overrides(cfg, overrides or [])
+    _resolve_precision(cfg, given)
     _check_cross_field(cfg)
     _absolute_local_paths(cfg)
     return cfg
 
 
-def _apply_overrides(cfg: Config, overrides) -> None:
+def _apply_overrides(cfg: Config, overrides) -> set[str]:
+    given: set[str] = set()
     for text in overrides:
         one_argument = text.split("=", 1)[0].count(".") > 1  # section.args.name=value
-        _apply(cfg, parse_override(text), f"--set {text}", merge_args=one_argument)
+        given |= _apply(cfg, parse_override(text), f"--set {text}", merge_args=one_argument)
+    return given
+
+
+def _amp_precision(amp: bool) -> str:
+    return "bf16-mixed" if amp else "fp32"
+
+
+def _resolve_precision(cfg: Config, given: set[str]) -> None:
+    """The deprecated ``train.amp``, where given, sets ``train.precision`` (true: bf16-mixed, false: fp32); both
+    given and disagreeing is a ConfigError. ``given``: the keys the user's file and ``--set`` gave."""
+    t = cfg.train
+    if "train.amp" not in given:
+        return
+    implied = _amp_precision(t.amp)
+    if "train.precision" in given and t.precision != implied:
+        raise ConfigError(f"config keys train.amp={str(t.amp).lower()} and train.precision={t.precision} disagree "
+                          f"(train.amp={str(t.amp).lower()} means train.precision={implied}); train.amp is "
+                          "deprecated: remove it and keep train.precision")
+    t.precision = implied
+
+
+def deprecated_keys_note(cfg: Config) -> str | None:
+    """The one warning line for a deprecated key the config sets (train.amp=false is the default, fp32)."""
+    if not cfg.train.amp:
+        return None
+    return (f"ray-app: train.amp is deprecated: train.amp={str(cfg.train.amp).lower()} is read as "
+            f"train.precision={_amp_precision(cfg.train.amp)}; set that instead")
 
 
 def _is_local(path: str) -> bool:
@@ -498,7 +567,7 @@ def config_from_dict(tree: dict, overrides: list[str] | tuple = ()) -> Config:
     then apply ``--set`` overrides."""
     cfg = Config()
     _apply(cfg, _migrated(tree), "config")
-    _apply_overrides(cfg, overrides)
+    _resolve_precision(cfg, _apply_overrides(cfg, overrides))  # the tree's keys are defaults the overrides change
     _check_cross_field(cfg)
     return cfg
 
@@ -507,7 +576,10 @@ LEGACY_DATA_KEYS = ("num_samples", "image_size")  # once data.*, now data.args.*
 
 
 def _migrated(tree: dict) -> dict:
-    """Configs saved in older checkpoints: their data.num_samples / data.image_size become data.args."""
+    """Configs saved in older checkpoints: their data.num_samples / data.image_size become data.args; a
+    train.amp becomes the train.precision it means (a saved config that has both keeps precision, which the
+    driver resolved)."""
+    tree = _migrated_amp(tree)
     data = tree.get("data") if isinstance(tree, dict) else None
     if not isinstance(data, dict) or not any(k in data for k in LEGACY_DATA_KEYS):
         return tree
@@ -516,6 +588,17 @@ def _migrated(tree: dict) -> dict:
     wanted = {"synthetic": LEGACY_DATA_KEYS, "imagefolder": ("image_size",)}.get(data.get("name"), ())
     data["args"] = {**{k: v for k, v in legacy.items() if k in wanted}, **data.get("args", {})}
     return {**tree, "data": data}
+
+
+def _migrated_amp(tree: dict) -> dict:
+    train = tree.get("train") if isinstance(tree, dict) else None
+    if not isinstance(train, dict) or "amp" not in train:
+        return tree
+    train = dict(train)
+    amp = train.pop("amp")
+    if "precision" not in train and isinstance(amp, bool):
+        train["precision"] = _amp_precision(amp)
+    return {**tree, "train": train}
 
 
 # What a checkpoint's state depends on: a run resumes only with these unchanged. Everything
@@ -555,8 +638,10 @@ STRATEGY_KEYS = {"bucket_cap_mb": "ddp", "find_unused_parameters": "ddp", "stati
 def strategy_keys_note(cfg: Config) -> str | None:
     """The one line said when a train key only the other strategy reads is set away from its default."""
     default = TrainSection()
+    per_block = cfg.train.activation_checkpointing != "none" or cfg.train.compile  # read fsdp_units's blocks
     unused = [k for k, reader in STRATEGY_KEYS.items()
-              if reader != cfg.train.strategy and getattr(cfg.train, k) != getattr(default, k)]
+              if reader != cfg.train.strategy and getattr(cfg.train, k) != getattr(default, k)
+              and not (k == "fsdp_units" and per_block)]
     if not unused:
         return None
     other = STRATEGY_KEYS[unused[0]]

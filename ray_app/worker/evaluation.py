@@ -30,9 +30,9 @@ class EvalSet:
 
 class Evaluator:
     def __init__(self, task, task_name: str, eval_set: EvalSet, world_size: int, device: torch.device,
-                 amp: bool = False, on_eval=None):
+                 autocast: bool = False, on_eval=None):
         self.task, self.task_name, self.data = task, task_name, eval_set
-        self.world_size, self.device, self.amp = world_size, device, amp
+        self.world_size, self.device, self.autocast = world_size, device, autocast  # training's (train.precision)
         self.on_eval = on_eval  # rank 0's metrics sink, told every result
 
     @torch.no_grad()
@@ -43,7 +43,7 @@ class Evaluator:
         data, names, sums, columns, start = self.data, None, None, [], 0
         summarize_rows = getattr(self.task, "summarize_rows", None)
         for i, batch in enumerate(data.loader):
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 values = self.task.evaluate(model, to_device(batch, self.device))
             names = names or self._check_names(values)
             size = data.batch_sizes[i]

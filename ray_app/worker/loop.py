@@ -37,7 +37,6 @@ import math
 import socket
 import time
 
-import torch
 import torch.distributed as dist
 
 from ray_app import __version__
@@ -74,14 +73,14 @@ class Trainer:
         self.is_rank0 = self.rank == 0  # the one predicate that decides who logs, writes and serves
         self.task, self.model, self.module = parts.task, parts.model, parts.module
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.amp = cfg.train.amp and self.device.type == "cuda"  # bf16 autocast: no loss scaling (no GradScaler)
+        self.autocast = parts.precision.autocast  # bf16 autocast: no loss scaling (no GradScaler)
         self.stats = stats or RunStats()
         self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0)
         self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device,  # every rank's pace (ray_app.worker.pace)
                          samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, say=self.print0,
                          enabled=cfg.metrics.rank_pace)
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
-                                   amp=self.amp, on_eval=metrics.on_eval)
+                                   autocast=parts.precision.autocasts, on_eval=metrics.on_eval)
         self.pos = Position()
         self.resumed_from_step, self.resumed_checkpoint_unix = 0, 0.0
         self.resumed_tracking: dict = {}  # the trackers' state in the checkpoint resumed from (ray_app.worker.tracking)
@@ -210,7 +209,7 @@ class Trainer:
         # practice 3: DDP all-reduces gradients during backward; on non-final micro-steps no_sync() skips that
         # all-reduce (gradients accumulate locally; FSDP skips its reduce-scatter the same way: ray_app.worker.strategy)
         with contextlib.nullcontext() if sync else no_sync(self.model):
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            with self.autocast(self.device):  # train.precision (ray_app.worker.speed)
                 loss, n = self.loss_contract(self.task.loss(self.model, batch), batch)
             # a non-finite loss on any rank: NaN gradients on every rank (ray_app.worker.guards)
             with entered("gradient all-reduce (backward)", self.pos.global_step + 1) if sync else contextlib.nullcontext():

@@ -20,6 +20,7 @@ from ray_app.worker.ddp import ResumableDistributedSampler, assert_identical_par
 from ray_app.worker.evaluation import EvalSet
 from ray_app.worker.lora import apply_lora, is_lora
 from ray_app.worker.pretrained import load_pretrained, pending_weights
+from ray_app.worker.speed import Precision, apply_speed_switches
 from ray_app.worker.strategy import fully_shard_model
 
 # ---------------------------------------------------------------- the seam (the real object and test fakes)
@@ -46,6 +47,7 @@ class Parts:
     task: Any
     model: torch.nn.Module  # DDP-wrapped, or the user's module sharded in place (train.strategy fsdp)
     module: torch.nn.Module  # the user's module inside it (under fsdp: the model itself)
+    precision: Precision  # train.precision under this strategy: the autocast of forward, loss and evaluation
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_sampler: ResumableDistributedSampler
@@ -67,12 +69,15 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     module = apply_lora(build_model(cfg, info), cfg.model.lora)  # before sharding: the frozen base is sharded too
     pretrained = pending_weights(module) is not None  # made on the meta device: each rank reads what it holds
     module = module if pretrained else module.to(runtime.device)
+    precision = Precision(cfg.train.precision, sharded=cfg.train.strategy == "fsdp")
+    # torchtitan's order: precision, activation checkpointing, compile (ray_app.worker.speed), then FSDP or DDP
+    module = apply_speed_switches(module, cfg.train, precision)
     if cfg.train.strategy == "fsdp":  # practice 1 on the unsharded parameters: FSDP broadcasts nothing
         if not pretrained:
             assert_identical_parameters(module)
         model = module = fully_shard_model(module, runtime.device, runtime.world_size, units=cfg.train.fsdp_units,
                                            reshard_after_forward=cfg.train.reshard_after_forward,
-                                           bf16=cfg.train.amp and runtime.device.type == "cuda")
+                                           bf16=precision.gather_bf16)
         load_pretrained(module, runtime.device)  # every rank its own rows: the same file, so equal by making
     else:
         load_pretrained(module, runtime.device)
@@ -103,7 +108,7 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     optimizer, scheduler = build_optimizer(cfg, model, steps_per_epoch, total_steps)
     n_eval = len(eval_indices)
     return Parts(
-        task=task, model=model, module=module, optimizer=optimizer, scheduler=scheduler,
+        task=task, model=model, module=module, precision=precision, optimizer=optimizer, scheduler=scheduler,
         train_sampler=train_sampler, train_loader=loader(train_set, train_sampler, loader_gen), loader_gen=loader_gen,
         # its own generator too: iterating a DataLoader draws a seed, and evaluation
         # must not move the training RNG (or a resumed run would diverge)

@@ -38,13 +38,8 @@ def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
 
     A parameter lives in one unit: a default unit whose parameter is tied to one outside it (an embedding
     and its head) is left in the unit around both; a named one is a ConfigError naming the two."""
-    wanted = {n.strip() for n in names.split(",") if n.strip()}
-    if wanted:
-        units = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
-        if not units:
-            classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
-            raise ConfigError(f"train.fsdp_units={names}: no module of the model is of these classes; "
-                              f"its classes: {', '.join(classes[:12])}")
+    units = _of_classes(module, names)
+    if units:
         tied_outside = _tie_finder(module)
         for unit in units:
             tie = tied_outside(unit)
@@ -56,6 +51,37 @@ def shard_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
     units = _outermost_blocks(module) or [c for c in module.children() if _has_parameters(c)]
     tied_outside = _tie_finder(module)
     return [u for u in units if not tied_outside(u)]
+
+
+def blocks(module: torch.nn.Module, names: str, switch: str) -> list[torch.nn.Module]:
+    """The model's blocks, for a switch applied block by block (``switch``, e.g. ``train.compile=true``): the
+    modules of the classes named in ``train.fsdp_units`` (the outermost of them, where one holds another), else
+    each block of the model's outermost ModuleLists and one-class ModuleDicts, as ``shard_units`` finds its
+    units; a model with neither is a ConfigError naming what was searched."""
+    named = _of_classes(module, names)  # outermost first
+    if named:
+        inside = {id(m) for unit in named for m in unit.modules() if m is not unit}
+        return [u for u in named if id(u) not in inside]
+    found = _outermost_blocks(module)
+    if not found:
+        raise ConfigError(f"{switch}: the model ({type(module).__name__}) has no blocks to apply it to: no "
+                          "ModuleList or one-class ModuleDict of blocks in it; name its block classes in "
+                          "train.fsdp_units (e.g. train.fsdp_units=Block)")
+    return found
+
+
+def _of_classes(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
+    """The sub-modules of the classes named in ``train.fsdp_units`` (comma-separated), outermost first; none
+    named: []; named and none found: a ConfigError listing the model's classes."""
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    if not wanted:
+        return []
+    found = [m for m in module.modules() if m is not module and type(m).__name__ in wanted]
+    if not found:
+        classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
+        raise ConfigError(f"train.fsdp_units={names}: no module of the model is of these classes; "
+                          f"its classes: {', '.join(classes[:12])}")
+    return found
 
 
 def _tie_finder(module: torch.nn.Module):
@@ -115,21 +141,26 @@ def _blocks_in(container: torch.nn.Module) -> list[torch.nn.Module]:
 
 def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size: int, *, units: str = "",
                       reshard_after_forward: bool = True, bf16: bool = False) -> torch.nn.Module:
-    """FSDP2 over all ranks (one mesh dimension): each unit sharded, then the root. ``bf16`` (``train.amp``
-    on a GPU): parameters gathered in bf16, gradients reduced in fp32."""
+    """FSDP2 over all ranks (one mesh dimension): each unit sharded, then the root. ``bf16``
+    (``train.precision=bf16-mixed``): fp32 parameters gathered in bf16, gradients reduced in fp32, and the root's
+    outputs cast to fp32, so that the task's loss, outside the model, computes in fp32 whatever it does (an MSE
+    against fp32 targets, a cross-entropy of the logits)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shards = shard_units(module, units)
     check_shardable(module, shards, units)
     mesh = init_device_mesh(device.type, (world_size,))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = root_kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = dict(kwargs, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        root_kwargs = dict(kwargs, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                  reduce_dtype=torch.float32,
+                                                                  output_dtype=torch.float32))
     scalars = {p for p in module.parameters() if p.dim() == 0}
     for unit in [*shards, module]:
         ignored = {p for p in unit.parameters() if p in scalars}
-        fully_shard(unit, **kwargs, **({"ignored_params": ignored} if ignored else {}))
+        fully_shard(unit, **(root_kwargs if unit is module else kwargs), **({"ignored_params": ignored} if ignored else {}))
     if world_size > 1:
         RankZeroBuffers.attach(module)
         ReplicatedScalars.attach(module, scalars)

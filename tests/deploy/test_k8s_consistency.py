@@ -141,7 +141,7 @@ def test_workers_know_their_pod_through_the_downward_api(rel):
 
 def test_gpu_overlay_requests_gpus_and_sets_nccl_and_shm():
     cfg = config_of("overlays/gpu")
-    assert cfg["scaling"]["use_gpu"] is True and cfg["train"]["amp"] is True
+    assert cfg["scaling"]["use_gpu"] is True and cfg["train"]["precision"] == "bf16-mixed"
     worker = rayjob_templates(rayjob("overlays/gpu"))["workers/workers"]["spec"]
     c = worker["containers"][0]
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1

@@ -1,5 +1,5 @@
 """Model plug-ins with what FSDP does not shard: BatchNorm's running statistics (buffers each rank moves by its
-own batch in training mode) and scalar parameters."""
+own batch in training mode) and scalar parameters; blocks holding BatchNorm (for activation checkpointing)."""
 
 import torch
 from torch import nn
@@ -37,3 +37,29 @@ class ScalarNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x) / self.temperature
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(width, width), nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.fc(x)))
+
+
+class BlocksWithBatchNorm(nn.Module):
+    """A classifier whose blocks (a ModuleList) hold BatchNorm: running statistics inside what activation
+    checkpointing runs twice."""
+
+    def __init__(self, channels: int, image_size: int, num_classes: int, width: int = 32):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(channels * image_size * image_size, width))
+        self.blocks = nn.ModuleList([_NormedBlock(width) for _ in range(3)])
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -49,6 +49,12 @@ def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
     (["model.name=no_such_pkg.model:Net"], "model.name"),  # a plug-in that cannot be imported
     (["task.name=nope"], "task.name"),
     (["data.name=digits", "data.path=/data"], "data.path"),  # digits reads no folder
+    (["train.precision=fp16"], "train.precision"),
+    (["train.activation_checkpointing=some"], "train.activation_checkpointing"),
+    (["train.amp=true", "train.precision=fp32"], "train.amp"),  # the deprecated key, disagreeing
+    # bf16 weights: lr x weight_decay = 1e-4 < 2^-8 rounds away in each step's decay (tests/unit/test_precision.py)
+    (["train.precision=bf16", "train.optimizer=adamw", "train.lr=0.001", "train.weight_decay=0.1"],
+     "train.weight_decay"),
 ])
 def test_bad_config_exits_2_with_one_line_and_creates_nothing(run_cli, tmp_path, overrides, key):
     args = ["train", "--config", LOCAL_YAML]

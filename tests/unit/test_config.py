@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ray_app.driver.config_reference import describe_keys, format_default, keys_markdown, sections
-from ray_app.shared.config import Config, load_config, parse_override
+from ray_app.shared.config import Config, config_from_dict, load_config, parse_override
 from ray_app.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,12 +190,12 @@ def test_missing_config_file_raises(tmp_path):
 def test_set_overrides_yaml_and_parses_scalars():
     cfg = load_config(REPO / "configs" / "local.yaml", [
         "train.epochs=3", "train.lr=0.5", "train.weight_decay=1e-4", "scaling.use_gpu=false",
-        "train.amp=true", "run.name=my-run", "scaling.cpus_per_worker=2", "checkpoint.upload=async",
+        "train.compile=true", "run.name=my-run", "scaling.cpus_per_worker=2", "checkpoint.upload=async",
     ])
     assert cfg.train.epochs == 3 and isinstance(cfg.train.epochs, int)
     assert cfg.train.lr == 0.5 and cfg.train.weight_decay == pytest.approx(1e-4)
     assert isinstance(cfg.scaling.cpus_per_worker, float) and cfg.scaling.cpus_per_worker == 2.0
-    assert cfg.scaling.use_gpu is False and cfg.train.amp is True
+    assert cfg.scaling.use_gpu is False and cfg.train.compile is True
     assert cfg.run.name == "my-run" and cfg.checkpoint.upload == "async"
 
 
@@ -206,7 +206,7 @@ def test_later_set_wins():
 def test_parse_override_values():
     assert parse_override("train.epochs=5") == {"train": {"epochs": 5}}
     assert parse_override("train.lr=0.01") == {"train": {"lr": 0.01}}
-    assert parse_override("train.amp=true") == {"train": {"amp": True}}
+    assert parse_override("train.compile=true") == {"train": {"compile": True}}
     assert parse_override("run.name=abc") == {"run": {"name": "abc"}}
     assert parse_override("data.path=") == {"data": {"path": ""}}
     # only the first '=' splits: the rest belongs to the value
@@ -488,3 +488,15 @@ def test_config_keys_are_typed_by_their_resolved_annotations_not_their_text():
         config._apply(cfg, {"task": {"args": [1]}}, "test")
     assert config.field_types(_SectionWithModernAnnotations) == {
         "name": (str, False), "args": (dict, False), "limit": (int, True), "ratio": (float, True)}
+
+
+def test_a_saved_config_with_train_amp_resolves_to_its_precision_and_takes_overrides():
+    """A checkpoint's config from before train.precision (train.amp only) means bf16-mixed; an override of
+    train.precision (ray-app eval --set) changes it without a conflict; a config the driver resolved (both keys)
+    round-trips as it is."""
+    old = config_from_dict({"train": {"amp": True}})
+    assert old.train.precision == "bf16-mixed" and old.train.amp is False
+    assert config_from_dict({"train": {"amp": True}}, ["train.precision=fp32"]).train.precision == "fp32"
+    resolved = load_config(None, ["train.amp=true"])
+    assert config_from_dict(resolved.to_dict()).train.precision == "bf16-mixed"
+    assert config_from_dict(resolved.to_dict(), ["train.amp=false"]).train.precision == "fp32"

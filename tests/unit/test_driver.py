@@ -617,3 +617,21 @@ def test_a_key_only_the_other_strategy_reads_is_named_once_before_ray(capsys, mo
     assert capsys.readouterr().err == (
         'ray-app: train.fsdp_units="Block" is read under train.strategy=fsdp only, so not used by this '
         "train.strategy=ddp run (docs/fsdp.md)\n")
+
+
+def test_the_deprecated_train_amp_is_one_warning_line_before_ray_and_means_bf16_mixed(capsys, monkeypatch):
+    """train.amp goes: true is train.precision=bf16-mixed, false fp32, said in one line (and disagreeing with
+    train.precision is bad input: tests/unit/test_cli.py). train.fsdp_units names the blocks activation
+    checkpointing and compile apply to under DDP too: no note then."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for quiet in (["train.precision=bf16-mixed"], ["train.fsdp_units=Block", "train.activation_checkpointing=full"],
+                  ["train.fsdp_units=Block", "train.compile=true"]):
+        validate_before_ray(load_config(None, quiet))
+    assert capsys.readouterr().err == ""
+    cfg = load_config(None, ["train.amp=true"])
+    assert cfg.train.precision == "bf16-mixed"
+    validate_before_ray(cfg)
+    assert capsys.readouterr().err == ("ray-app: train.amp is deprecated: train.amp=true is read as "
+                                       "train.precision=bf16-mixed; set that instead\n")
+    assert load_config(None, ["train.amp=false"]).train.precision == "fp32"
+    assert load_config(None, ["train.amp=true", "train.precision=bf16-mixed"]).train.precision == "bf16-mixed"

@@ -61,7 +61,7 @@ space:
     ("metric: eval_accuracy\nspace: {train.epochs: {loguniform: [1.0e-4, 0.1]}}",
      "loguniform draws numbers with fractions, but train.epochs is an integer"),
     ("metric: eval_accuracy\nspace: {train.lr: {choice: [fast, slow]}}", "train.lr: choice value 'fast'"),
-    ("metric: eval_accuracy\nspace: {train.amp: {uniform: [0, 1]}}", "train.amp is true or false"),
+    ("metric: eval_accuracy\nspace: {train.compile: {uniform: [0, 1]}}", "train.compile is true or false"),
     ("metric: eval_accuracy\nspace: {train.lr: {uniform: [-1, 0.1]}}", "below the minimum"),
     ("metric: eval_accuracy\nspace: {train.optimizer: {grid: [sgd, rmsprop]}}", "'rmsprop' is not allowed"),
     ("metric: eval_accuracy\nspace: {train.lr: {loguniform: [0, 0.1]}}", "loguniform needs low > 0"),
