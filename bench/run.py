@@ -16,8 +16,11 @@ vs torchrun, beside the plug-in mode's time to first step; (h, not in the defaul
 samples/s of workload (a) reading its data set as `ray-app data write` shards from moto over loopback vs the
 same samples map-style from memory; (v, not in the default set) start-up experiments
 with bench/variants.py; (z) FSDP: the kit with `train.strategy=fsdp` vs the twin's plain FSDP2 on workload
-(b), steady samples/s. ``--gpu`` (bench/gpu.sh): (a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in
-order (kit, twin, kit, twin, ...), so drift in the machine's load hits both sides.
+(b), steady samples/s; (m, not in the default set) the speed switches, each on vs off on workload (a) in one
+epoch (resnet18's BasicBlocks the blocks): train.precision=bf16-mixed, train.activation_checkpointing=full,
+train.compile=true, steady samples/s and, for compile, the time to first step. ``--gpu`` (bench/gpu.sh):
+(a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in order (kit, twin,
+kit, twin, ...), so drift in the machine's load hits both sides.
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,r,s"
 DEFAULT_CASES += ",j,z"  # (j) the run journal's cost; (z) FSDP: the kit vs the twin's plain FSDP2
 FSDP = ("train.strategy=fsdp",)  # case (z): the same --set for the kit and the twin
+# case (m): each against all off; resnet18's blocks are its BasicBlocks (no ModuleList of them), named for AC and compile
+SPEED_SWITCHES = {"bf16-mixed": ("train.precision=bf16-mixed",),
+                  "ac full": ("train.activation_checkpointing=full", "train.fsdp_units=BasicBlock"),
+                  "compile": ("train.compile=true", "train.fsdp_units=BasicBlock")}
 VARIANT_NAMES = ("kit", "ray-poll", "nice0")
 SHARDS_PREFIX = "bench-shards"  # case (h): the shard set's prefix in the bench's S3 bucket
 
@@ -187,6 +194,10 @@ class Plan:
                            "b on": kit(w["comm"]), "b off": kit(w["comm"], variant="no-journal")}
         # FSDP: workload (b) (wide_mlp: its parameters and optimizer state dominate), kit vs the twin's plain FSDP2
         self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP)}
+        # the speed switches, each on vs all off, workload (a) in one epoch (its only evaluation after the last
+        # step, out of the steady window: a compiled model compiles again for it)
+        one_epoch = w["compute"] + ("train.epochs=1",)
+        self.specs["m"] = {"off": kit(one_epoch), **{name: kit(one_epoch + o) for name, o in SPEED_SWITCHES.items()}}
 
     def _smoke_specs(self, w: dict) -> None:
         """Few processes, each serving several cases; they run concurrently (see Runner.jobs)."""
@@ -751,11 +762,30 @@ def rows_s(r: Runner) -> list[dict]:
     return out
 
 
+def rows_m(r: Runner) -> list[dict]:
+    """Each speed switch on vs off, the same round back to back: steady samples/s (ratio = on / off, the median
+    per-round ratio; reported: on a CPU without bf16 units bf16 is slower, AC trades a forward for memory),
+    and compile's time to first step (its compile, cached per user on the node after the first round)."""
+    off, out = r.runs("m", "off"), []
+    for name in SPEED_SWITCHES:
+        on = r.runs("m", name)
+        q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(on, off))
+        out.append(_row("m", f"{name} on vs off, steady samples/s (ratio = on / off, the median per-round ratio)",
+                        med(on, "steady_sps"), med(off, "steady_sps"), q, "reported", q is not None,
+                        paired(on, off, "steady_sps") + " (on / off)"))
+    on = r.runs("m", "compile")
+    k, t = med(on, "first_step_s"), med(off, "first_step_s")
+    out.append(_row("m", "time to first step, compile on vs off (s; ratio column = difference; the first round "
+                    "compiles cold, later ones find the cache)", k, t, k - t if k is not None and t is not None else None,
+                    "reported", k is not None, paired(on, off, "first_step_s")))
+    return out
+
+
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "b": _throughput("b", "communication-bound (wide_mlp)", 0.97),
              "c": rows_c, "d": rows_d, "e": rows_e, "f": rows_f, "g": rows_g, "h": rows_h, "p": rows_p, "r": rows_r, "s": rows_s,
              "j": rows_j,
-             "t": rows_t, "v": rows_v}
+             "t": rows_t, "v": rows_v, "m": rows_m}
 CASE_ROWS["z"] = _throughput("z", "FSDP (train.strategy=fsdp, wide_mlp; twin: plain fully_shard)", 0.97)
 
 

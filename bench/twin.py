@@ -15,8 +15,9 @@ collectives and the checkpoints are its own, plain torch:
 DistributedDataParallel with its defaults, gloo on CPU; with ``--set train.strategy=fsdp``
 plain FSDP2 instead: ``torch.distributed.fsdp.fully_shard`` on each of the units the kit picks
 (``ray_app.worker.strategy.shard_units``, a pure function of the model and ``train.fsdp_units``), then on
-the root, with ``train.reshard_after_forward`` and, on a GPU with ``train.amp``, bf16 parameters and
-fp32 gradient reduction. ``train.grad_accum`` micro-steps accumulate locally (DDP's ``no_sync``,
+the root, with ``train.reshard_after_forward`` and, with ``train.precision=bf16-mixed``, bf16 parameters
+and fp32 gradient reduction (the root's outputs in fp32); under DDP bf16-mixed is bf16 autocast, and
+``train.precision=bf16`` casts the model to bf16 and autocasts, as the kit does. ``train.grad_accum`` micro-steps accumulate locally (DDP's ``no_sync``,
 FSDP2's ``set_requires_gradient_sync(False)``) and sync on the last. Kit-only keys
 (checkpoint.*, metrics.*, failure.*) are ignored; with ``--ckpt-dir`` it saves
 ``torch.save`` checkpoints and resumes from them (for the recovery case, under
@@ -112,7 +113,9 @@ class Twin:
         self.device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.amp = cfg.train.amp and self.device.type == "cuda"
+        precision, sharded = cfg.train.precision, cfg.train.strategy == "fsdp"
+        self.amp = precision == "bf16" or (precision == "bf16-mixed" and not sharded)  # bf16 autocast
+        self.gather_bf16 = precision == "bf16-mixed" and sharded  # FSDP's MixedPrecisionPolicy
         self.stamps["process_group"] = time.time()
         self.epoch = self.batches_done = self.step = self.resumed_from = 0
         self.steady = Steady(args.skip_steps)
@@ -125,6 +128,8 @@ class Twin:
         self.stamps["data"] = time.time()
         seed_everything(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
         model = build_model(cfg, info).to(self.device)
+        if cfg.train.precision == "bf16":
+            model = model.to(torch.bfloat16)
         self.fsdp = cfg.train.strategy == "fsdp"
         if self.fsdp:
             model = self.fully_shard(model)
@@ -164,11 +169,14 @@ class Twin:
         cfg = self.cfg
         kwargs = {"mesh": init_device_mesh(self.device.type, (self.world,)),
                   "reshard_after_forward": cfg.train.reshard_after_forward}
-        if self.amp:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root = kwargs
+        if self.gather_bf16:
+            kwargs = dict(kwargs, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            root = dict(kwargs, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                               output_dtype=torch.float32))
         for unit in shard_units(model, cfg.train.fsdp_units):
             fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+        fully_shard(model, **root)
         return model
 
     def no_sync(self):
