@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from ray_app.shared.config import TrainSection
 from ray_app.shared.errors import ConfigError, first_line
@@ -73,7 +73,7 @@ def apply_speed_switches(module: torch.nn.Module, train: TrainSection, precision
         found = blocks(module, train.fsdp_units, f"train.activation_checkpointing={train.activation_checkpointing}")
         every = train.ac_every if train.activation_checkpointing == "selective" else 1
         for block in found[every - 1::every]:  # torchtitan's layer-wise selective AC: every ac_every-th block
-            block.forward = _checkpointed(block.forward, block)
+            block.forward = _checkpointed(block.forward, block, compiled=train.compile)
     if train.compile:
         use_compile_cache(train.compile_cache_dir)
         names = {id(m): n for n, m in module.named_modules()}
@@ -82,23 +82,30 @@ def apply_speed_switches(module: torch.nn.Module, train: TrainSection, precision
     return module
 
 
-def _checkpointed(forward, block: torch.nn.Module):
+def _checkpointed(forward, block: torch.nn.Module, compiled: bool):
     """``forward`` keeping only its inputs for backward and running again in backward for the rest
     (non-reentrant: keyword arguments and outputs of any structure pass; the RNG state is restored, so dropout
     draws the same mask again and the gradients are those without it, bit for bit). A BatchNorm's running
-    statistics, which the second run would move again, are put back after it: they move once a step, as
-    without it."""
+    statistics, which the second run would move again, are put back after it, so they move once a step, as
+    without it; ``compiled`` (the block is compiled next): the compiled recomputation only recomputes what the
+    gradients need, never a buffer's update, and dynamo takes no ``context_fn`` of this kind."""
     statistics = [m for m in block.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                   and m.track_running_stats]
-    context_fn = functools.partial(_running_statistics_kept, statistics) if statistics else noop_context_fn
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    return run
+    @functools.wraps(forward)
+    def run_keeping_statistics(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=functools.partial(_running_statistics_kept, statistics), **kwargs)
+
+    return run_keeping_statistics if statistics and not compiled else run
 
 
 def _running_statistics_kept(modules: list[torch.nn.Module]):

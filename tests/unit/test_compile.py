@@ -34,6 +34,10 @@ BASE = ["data.name=tests.support.lm:char_pairs", "data.args.max_chars=30000", "m
         "checkpoint.every_steps=0"]
 RUNS = {"fsdp-eager": ["train.strategy=fsdp"], "fsdp-compiled": ["train.strategy=fsdp", "train.compile=true"],
         "ddp-eager": [], "ddp-compiled": ["train.compile=true"]}
+# blocks holding BatchNorm, AC on: the compiled recomputation moves no running statistic again
+BN = ["data.name=digits", "model.name=tests.support.unsharded_model:BlocksWithBatchNorm", "train.max_steps=10",
+      "train.activation_checkpointing=full", "metrics.enabled=false", "checkpoint.every_epochs=0"]
+BN_RUNS = {"bn-eager": BN, "bn-compiled": BN + ["train.compile=true"]}
 BRANCHY = ["data.name=digits", "model.name=tests.support.lm:BranchyNet", "train.compile=true", "train.max_steps=1",
            "metrics.enabled=false", "checkpoint.every_epochs=0"]
 
@@ -44,6 +48,10 @@ def _worker(rank: int, world: int, port: int, out: str, storage: str, cache: str
     for name, overrides in RUNS.items():
         cfg = load_config(None, BASE + overrides + [f"run.name={name}", f"run.storage={storage}",
                                                      f"train.compile_cache_dir={cache}"])
+        results[name] = _fit_recorded(rank, world, cfg)
+    for name, overrides in BN_RUNS.items():
+        cfg = load_config(None, overrides + [f"run.name={name}", f"run.storage={storage}",
+                                             f"train.compile_cache_dir={cache}"])
         results[name] = _fit_recorded(rank, world, cfg)
     cfg = load_config(None, BRANCHY + ["run.name=branchy", f"run.storage={storage}", f"train.compile_cache_dir={cache}"])
     try:
@@ -72,6 +80,17 @@ def test_compiled_losses_are_within_1e_4_of_eager_over_50_steps(runs, strategy):
     assert max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"])) <= 1e-4
     assert abs(eager["summary"]["eval_loss"] - compiled["summary"]["eval_loss"]) <= 1e-4
     assert eager["losses"][-1] < 0.9 * eager["losses"][0]  # it learned
+
+
+def test_compiled_blocks_with_batchnorm_under_activation_checkpointing_move_its_statistics_once_a_step(runs):
+    """The compiled recomputation recomputes what the gradients need, not the running statistics' update: the
+    buffers after 10 steps are the eager run's (whose recomputation puts them back), counted 10 times."""
+    eager, compiled = runs["bn-eager"], runs["bn-compiled"]
+    assert eager["buffers"]["blocks.0.norm.num_batches_tracked"] == 10
+    assert eager["buffers"].keys() == compiled["buffers"].keys()
+    for k, v in eager["buffers"].items():
+        assert torch.allclose(compiled["buffers"][k].double(), v.double(), atol=1e-4), k
+    assert abs(eager["summary"]["eval_loss"] - compiled["summary"]["eval_loss"]) <= 1e-4
 
 
 def test_the_compiled_code_is_kept_in_the_cache_folder(runs):

@@ -85,6 +85,7 @@ def _fit(rank: int, world: int, cfg) -> dict:
     sd = _full(trainer.model)
     return {"summary": summary, "losses": [p["train_loss"] for p in metrics.progress],
             "resumed_from_step": trainer.resumed_from_step, "param_dtypes": sorted({str(v.dtype) for v in sd.values()}),
+            "buffers": {k: b.clone() for k, b in trainer.module.named_buffers()},
             "gathered": gathered and {"bytes": gathered.bytes, "numel": gathered.numel, "dtypes": sorted(gathered.dtypes)},
             "block_numel": sum(p.numel() for p in layers[0].parameters()) if layers is not None else 0}
 
