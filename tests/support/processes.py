@@ -179,7 +179,7 @@ def token_ray_head(home: Path, gcs: int, dashboard: int, extra_env: dict | None 
              f"--ray-client-server-port={free_port()}"]
     try:
         subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
-        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
+        yield {"env": env, "marker": marker, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
     finally:
         # 5 s: a raylet whose GCS goes with it waits for the GCS past 15 s of SIGTERM; the head's work is done
         left = stop_marked(marker, grace_s=5)
