@@ -123,6 +123,9 @@ class TrainSection:
                         "naming the newest good checkpoint), skip (drop that optimizer step on every rank, counted in "
                         "the summary) or ignore (step anyway). No checkpoint with non-finite parameters is ever "
                         "committed.", choices=["stop", "skip", "ignore"])
+    peak_tflops: float = _f(0.0, "Peak TFLOP/s of one worker's device, what MFU divides by (0 = the GPU's dense bf16 "
+                            "figure from the kit's table; none on a CPU or a GPU not in it, and then no MFU).",
+                            min=0.0)
 
 
 @dataclass

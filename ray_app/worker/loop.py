@@ -46,9 +46,9 @@ from ray_app.shared.config import Config
 from ray_app.shared.errors import Preempted, Stopped
 from ray_app.worker.checkpoint import CheckpointFiles, capture_rng_state
 from ray_app.worker.collectives import entered
-from ray_app.worker.ddp import to_device
+from ray_app.worker.ddp import first_dim, to_device
 from ray_app.worker.evaluation import Evaluator
-from ray_app.worker.guards import LossContract, NonFinite
+from ray_app.worker.guards import LossContract, NonFinite, counts_tokens
 from ray_app.worker.pace import Pace
 from ray_app.worker.parts import Parts, Runtime
 from ray_app.worker.preemption import STOP, TRAINING, Agreement
@@ -76,10 +76,10 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.amp = cfg.train.amp and self.device.type == "cuda"  # bf16 autocast: no loss scaling (no GradScaler)
         self.stats = stats or RunStats()
-        self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0)
-        self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device,  # every rank's pace (ray_app.worker.pace)
-                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, say=self.print0,
-                         enabled=cfg.metrics.rank_pace)
+        self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0, stats=self.stats,  # tokens/s, MFU
+                                 tokens=counts_tokens(self.task, cfg.task.name), peak_tflops=cfg.train.peak_tflops)
+        self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device, say=self.print0, enabled=cfg.metrics.rank_pace,
+                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum)  # every rank's pace (ray_app.worker.pace)
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
                                    amp=self.amp, on_eval=metrics.on_eval)
         self.pos = Position()
@@ -116,8 +116,7 @@ class Trainer:
         summary = self._final_metrics()
         self._final_checkpoint(summary)
         self.ckpt.wait_committed()  # a staged share still uploading: the worker stays until it is done
-        summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
-                       checkpoints_written=self.ckpt.written)
+        summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4), checkpoints_written=self.ckpt.written)
         self.metrics.close()
         return summary
 
@@ -162,9 +161,10 @@ class Trainer:
             group_start = b - b % accum
             group_size = min(accum, parts.batches_per_epoch - group_start)
             last_micro = (b - group_start + 1) == group_size
-            loss, n = self._forward_backward(to_device(batch, self.device), group_size, sync=last_micro)
+            with self.progress.flops.counting(self.pos.global_step + 1, b - group_start, group_size):  # once per attempt
+                loss, n = self._forward_backward(to_device(batch, self.device), group_size, sync=last_micro)
             self.pace.backward_done()
-            self.progress.add(loss, n)
+            self.progress.add(loss, n, first_dim(batch))
             self.pos.batches_done += 1
             self.pos.samples_done += cfg.data.batch_size * self.world_size  # full batches until the epoch's last
             if not last_micro:
@@ -289,7 +289,7 @@ class Trainer:
     def _final_metrics(self) -> dict:
         return {**self._metrics_dict(), "epochs": self.pos.epoch, "world_size": self.world_size,
                 "skipped_steps": self.nonfinite.skipped_steps, "train_seconds": self.stats.train_seconds(),
-                "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
+                "steady_samples_per_second": self.stats.steady_rate(), **self.progress.throughput(), **self.stats.timeline}
 
     def _final_checkpoint(self, summary: dict) -> None:
         """Always end on a committed checkpoint (unless checkpoints are off or nothing new was trained)."""

@@ -49,6 +49,7 @@ def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
     (["model.name=no_such_pkg.model:Net"], "model.name"),  # a plug-in that cannot be imported
     (["task.name=nope"], "task.name"),
     (["data.name=digits", "data.path=/data"], "data.path"),  # digits reads no folder
+    (["train.peak_tflops=-1"], "train.peak_tflops"),
 ])
 def test_bad_config_exits_2_with_one_line_and_creates_nothing(run_cli, tmp_path, overrides, key):
     args = ["train", "--config", LOCAL_YAML]
