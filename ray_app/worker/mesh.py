@@ -64,17 +64,18 @@ def single_group(world_size: int) -> MeshPlan:
     return MeshPlan((tuple(range(world_size)),))
 
 
-def plan_mesh(replicate: str, nodes: list[str]) -> MeshPlan:
+def plan_mesh(replicate: str, nodes: list[str], names: dict[str, str] | None = None) -> MeshPlan:
     """The groups for ``train.replicate`` (``auto`` or a whole number as a string) given each rank's node, in
-    rank order. ``auto``: one replica group per node, each node's ranks a shard group; a ConfigError when the
-    nodes hold unequal numbers of ranks. N: groups of world/N ranks, taken node by node (each node's ranks in
-    rank order), so a group lies inside a node wherever the sizes allow."""
+    rank order (``names``: what a line calls a node, its host's name; else its id). ``auto``: one replica group
+    per node, each node's ranks a shard group; a ConfigError when the nodes hold unequal numbers of ranks. N:
+    groups of world/N ranks, taken node by node (each node's ranks in rank order), so a group lies inside a
+    node wherever the sizes allow."""
     world = len(nodes)
     by_node = _ranks_by_node(nodes)
     if replicate == "auto":
         counts = {len(ranks) for ranks in by_node.values()}
         if len(counts) > 1:
-            found = ", ".join(f"{node} {len(ranks)}" for node, ranks in by_node.items())
+            found = ", ".join(f"{(names or {}).get(node, node)} {len(ranks)}" for node, ranks in by_node.items())
             raise ConfigError(f"train.replicate=auto: the {world} workers are on {len(by_node)} nodes with unequal "
                               f"numbers of ranks (node and ranks: {found}) and HSDP needs the same number on each: "
                               "give every node as many workers as it has GPUs (scaling.num_workers = nodes x GPUs per "
@@ -108,13 +109,16 @@ def _grouping(groups, nodes: list[str], node_count: int) -> str:
     return SPANNING_NODES
 
 
-def this_node(ray_node: str | None = None) -> str:
-    """This rank's node: ``$RAY_APP_NODE_ID`` where set, else Ray's node id, else the host name."""
-    return os.environ.get(NODE_ENV) or ray_node or socket.gethostname()
+def this_node(ray_node: str | None = None) -> tuple[str, str]:
+    """This rank's node and what a line calls it: ``$RAY_APP_NODE_ID`` where set, else Ray's node id (called by
+    the host's name: a pod's on Kubernetes), else the host name."""
+    host = socket.gethostname()
+    named = os.environ.get(NODE_ENV)
+    return (named, named) if named else (ray_node or host, host)
 
 
-def gather_nodes(node: str, world_size: int) -> list[str]:
-    """Every rank's node, in rank order (one ``all_gather_object``: every rank calls it)."""
+def gather_nodes(node: tuple[str, str], world_size: int) -> list[tuple[str, str]]:
+    """Every rank's (node, name), in rank order (one ``all_gather_object``: every rank calls it)."""
     import torch.distributed as dist
 
     from ray_app.worker.collectives import entered
@@ -124,14 +128,15 @@ def gather_nodes(node: str, world_size: int) -> list[str]:
     nodes: list = [None] * world_size
     with entered("nodes (all_gather_object)"):
         dist.all_gather_object(nodes, node)  # sync point: all ranks, once per worker-group start
-    return [str(n) for n in nodes]
+    return [(str(n), str(name)) for n, name in nodes]
 
 
 def mesh_plan(replicate: str, world_size: int, ray_node: str | None = None) -> MeshPlan:
     """The plan for this run (every rank calls it at the same point): replicate 1 asks no node."""
     if replicate == "1":
         return single_group(world_size)
-    return plan_mesh(replicate, gather_nodes(this_node(ray_node), world_size))
+    nodes = gather_nodes(this_node(ray_node), world_size)
+    return plan_mesh(replicate, [n for n, _ in nodes], dict(nodes))
 
 
 def device_mesh(plan: MeshPlan, device_type: str):

@@ -166,6 +166,8 @@ def test_auto_on_nodes_with_unequal_ranks_is_one_line_from_the_worker_exit_2_not
     assert "scaling.num_workers = nodes x GPUs per node" in line
     kind = failures.kind_of(ConfigError(line))
     assert kind.decision == failures.STOP and kind.exit_code == 2
+    with pytest.raises(ConfigError, match=r"\(node and ranks: pod-x 2, pod-y 1\)"):  # Ray's node ids, called by host
+        plan_mesh("auto", ["9f3a", "9f3a", "c41b"], {"9f3a": "pod-x", "c41b": "pod-y"})
 
 
 @pytest.mark.parametrize("overrides, says", [
