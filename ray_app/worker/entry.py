@@ -55,6 +55,7 @@ class RayRuntime:
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.node_id = ray.get_runtime_context().get_node_id()  # HSDP's mesh groups ranks by it (worker.mesh)
         self.storage, self.run = storage, run
         self.ddp_options = dict(ddp_options or {})  # train.find_unused_parameters, train.static_graph
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"

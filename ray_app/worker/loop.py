@@ -79,7 +79,7 @@ class Trainer:
         self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0, stats=self.stats,  # tokens/s, MFU
                                  tokens=counts_tokens(self.task, cfg.task.name), peak_tflops=cfg.train.peak_tflops)
         self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device, say=self.print0, enabled=cfg.metrics.rank_pace,
-                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum)  # every rank's pace (ray_app.worker.pace)
+                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, replicas=parts.mesh.replica_of() if parts.mesh else None)
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
                                    amp=self.amp, on_eval=metrics.on_eval)
         self.pos = Position()
@@ -140,7 +140,7 @@ class Trainer:
         print(f"rank {self.rank}/{self.world_size} on host {host} ip {ip} device {self.device}", flush=True)
         c = self.cfg
         self.print0(f"run {c.run.name}: {c.model.name} on {c.data.name}, task {c.task.name}, "
-                    f"{self.parts.steps_per_epoch} steps/epoch x {c.train.epochs} epochs, world size {self.world_size}")
+                    f"{self.parts.steps_per_epoch} steps/epoch x {c.train.epochs} epochs, world size {self.world_size}{self.parts.mesh_words}")
         self.metrics.start(run=c.run.name, model=c.model.name, dataset=c.data.name, task=c.task.name,
                            version=__version__, world_size=self.world_size, resumed_from_step=self.resumed_from_step,
                            global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda",
