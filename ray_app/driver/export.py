@@ -164,6 +164,7 @@ def _tokenizer_of(data: dict, retry_s: float) -> str | None:
     """Where the run's tokenizer is: ``data.args.tokenizer`` of a run that read ``data.name: text``, or of the
     text a ``data.name: shards`` run's shard set was written from (its manifest's source)."""
     if data.get("name") == "shards" and data.get("path"):
+        from ray_app.shared.hf import _storage
         from ray_app.shared.shards import read_manifest
 
         source = read_manifest(_storage(data["path"], retry_s)).source
