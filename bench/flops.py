@@ -2,8 +2,9 @@
 
 FLOPs are counted by ``torch.utils.flop_counter.FlopCounterMode`` on one
 forward + backward of the kit's own model (on the CPU, batch 2, divided by 2);
-bf16 autocast changes the precision, not the count. Peak figures are dense
-bf16 tensor-core FLOP/s from the vendors' data sheets; set
+bf16 autocast changes the precision, not the count. Peak figures are the kit's
+own table (``ray_app.worker.flops``: dense bf16 tensor-core FLOP/s from the
+vendors' data sheets, what a run's MFU divides by); set
 ``BENCH_GPU_PEAK_TFLOPS`` for a GPU not listed.
 """
 
@@ -11,10 +12,7 @@ from __future__ import annotations
 
 import os
 
-PEAK_BF16_DENSE_TFLOPS = {  # substring of torch.cuda.get_device_name() -> TFLOP/s
-    "H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0,
-    "L40": 181.0, "A10G": 70.0, "A10": 125.0, "L4": 121.0,
-}
+from ray_app.worker.flops import table_peak, utilization
 
 
 def peak_flops(device_name: str | None) -> tuple[float | None, str]:
@@ -22,10 +20,8 @@ def peak_flops(device_name: str | None) -> tuple[float | None, str]:
     env = os.environ.get("BENCH_GPU_PEAK_TFLOPS")
     if env:
         return float(env) * 1e12, "BENCH_GPU_PEAK_TFLOPS"
-    for key in sorted(PEAK_BF16_DENSE_TFLOPS, key=len, reverse=True):
-        if device_name and key in device_name:
-            return PEAK_BF16_DENSE_TFLOPS[key] * 1e12, f"{key} data sheet, dense bf16"
-    return None, f"unknown GPU {device_name!r}: set BENCH_GPU_PEAK_TFLOPS"
+    peak, where = table_peak(device_name)
+    return (peak, where) if peak is not None else (None, f"{where}: set BENCH_GPU_PEAK_TFLOPS")
 
 
 def flops_per_sample(overrides: tuple[str, ...], batch: int = 2) -> float:
@@ -49,6 +45,5 @@ def flops_per_sample(overrides: tuple[str, ...], batch: int = 2) -> float:
 
 
 def mfu(flops_sample: float | None, samples_per_second: float | None, peak: float | None) -> float | None:
-    if not flops_sample or not samples_per_second or not peak:
-        return None
-    return flops_sample * samples_per_second / peak
+    """MFU of samples at ``samples_per_second`` (the kit's formula: one second's FLOPs over the peak)."""
+    return utilization(flops_sample, samples_per_second or 0.0, 1.0, peak)

@@ -81,7 +81,7 @@ def _key_schema(cls: type, f: dataclasses.Field) -> dict:
     for bound, word in (("min", "minimum"), ("max", "maximum")):
         if meta.get(bound) is not None:
             schema[word] = meta[bound]
-    return schema
+    return schema | meta.get("schema", {})
 
 
 def _section_schema(cls: type) -> dict:

@@ -5,7 +5,7 @@
 ``hf``: a folder that transformers' ``AutoModelForCausalLM.from_pretrained(PATH)`` and serving stacks read:
 ``config.json`` (and ``generation_config.json``) from the run's ``model.args.path``, the weights as safetensors
 files of at most ``--max-shard-gb`` (5 by default) each, with ``model.safetensors.index.json`` when there are
-several, and the tokenizer's files when the run read ``data.name: text``. A checkpoint every rank wrote (of any
+several, and the tokenizer's files when the run read ``data.name: text`` (or shards written from it). A checkpoint every rank wrote (of any
 world size, either strategy) is consolidated one output file at a time: this process holds the tensors of
 the file being written, never the whole model. The folder is written beside PATH and renamed into place last.
 A ``model.lora`` run's checkpoint holds its adapters only: ``hf`` writes the base from ``model.args.path`` with
@@ -151,12 +151,27 @@ def export_hf(uri: str, out: Path, retry_s: float, max_shard_gb: float = SAFE_MA
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))},
             indent=2))
     copied = _copy_small(source, tmp, HF_CONFIG_FILES)
-    if data.get("name") == "text" and data.get("args", {}).get("tokenizer"):
-        copied += _copy_small(_storage(data["args"]["tokenizer"], retry_s), tmp, TOKENIZER_FILES)
+    tokenizer = _tokenizer_of(data, retry_s)
+    if tokenizer:
+        copied += _copy_small(_storage(tokenizer, retry_s), tmp, TOKENIZER_FILES)
     _into_place(tmp, out)
     return {"checkpoint": found.uri, "out": str(out), "format": "hf", "tensors": len(weight_map),
             "files": len(groups), "bytes": sum(sizes.values()), "copied": copied,
             "global_step": found.manifest.get("global_step")}
+
+
+def _tokenizer_of(data: dict, retry_s: float) -> str | None:
+    """Where the run's tokenizer is: ``data.args.tokenizer`` of a run that read ``data.name: text``, or of the
+    text a ``data.name: shards`` run's shard set was written from (its manifest's source)."""
+    if data.get("name") == "shards" and data.get("path"):
+        from ray_app.shared.hf import _storage
+        from ray_app.shared.shards import read_manifest
+
+        source = read_manifest(_storage(data["path"], retry_s)).source
+        data = {"name": source.get("data.name"), "args": source.get("data.args") or {}}
+    if data.get("name") == "text":
+        return (data.get("args") or {}).get("tokenizer") or None
+    return None
 
 
 def _fresh(out: Path) -> Path:

@@ -526,6 +526,9 @@ def run_training(cfg: Config) -> dict:
         "skipped_steps": m.get("skipped_steps", 0),  # non-finite steps dropped (train.nonfinite=skip)
         "world_size": m.get("world_size", cfg.scaling.num_workers),  # the last worker group's (elastic: may be fewer)
         "steady_samples_per_second": m.get("steady_samples_per_second"),
+        # a token task's tokens (train_tokens, steady_tokens_per_second); FLOPs per step and MFU where a peak is
+        # known (flops_per_step, steady_mfu): left out when there is no such figure (never a fake 0)
+        **{k: m[k] for k in THROUGHPUT_KEYS if m.get(k) is not None},
         # this worker group's checkpoints and the time training waited for them
         "checkpoints_written": m.get("checkpoints_written"),
         "checkpoint_blocked_seconds": m.get("checkpoint_blocked_seconds"),
@@ -533,6 +536,9 @@ def run_training(cfg: Config) -> dict:
         "timeline": {"driver_start_unix": DRIVER_START_UNIX, "ray_ready_unix": m.get("ray_ready_unix"),
                      **{k: m.get(k) for k in ("worker_start_unix", "model_ready_unix", "first_step_unix")}},
     }
+
+
+THROUGHPUT_KEYS = ("train_tokens", "steady_tokens_per_second", "flops_per_step", "steady_mfu")
 
 
 def wall_seconds() -> float:

@@ -3,7 +3,8 @@
 Both only read (no lease is taken): the runs under a storage with their state, last step, last event and
 the driver holding each (its lease, ``ray_app.shared.lease``); one run's timeline and its wall time split into
 productive training, start-up, restarts, recomputed steps, checkpoint blocking and evaluation
-(``ray_app.shared.journal.account``). A URI that holds no run, a store that cannot be read: one line, exit 2.
+(``ray_app.shared.journal.account``), and each attempt's seconds from its worker group's start to its first
+step (``ray_app.shared.journal.first_steps``). A URI that holds no run, a store that cannot be read: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def show_run(uri: str, retry_s: float, say=None) -> dict:
     held, holder = _holder(storage, run, now)
     accounted = journal.account(events, now=now if held else None)
     return {"run": run, "uri": storage.uri(run), "state": journal.state_of(_last_end(events), held), "holder": holder,
-            "last_step": journal.last_step(events), **accounted, "events": events,
+            "last_step": journal.last_step(events), **accounted, "attempts": journal.first_steps(events),
+            "events": events,
             "unreadable": [{"name": f"{journal.EVENTS}/{name}", "error": why} for name, why in unreadable]}
 
 
@@ -136,4 +138,19 @@ def show_lines(shown: dict) -> list[str]:
         out.append(f"  {journal.PART_NAMES[key]:34s} {seconds:9.1f} s  {share:5.1f} %")
     if shown["goodput_ratio"] is not None:
         out.append(f"goodput {100 * shown['goodput_ratio']:.1f} %")
+    return out + attempt_lines(shown.get("attempts", []))
+
+
+def attempt_lines(attempts: list[dict]) -> list[str]:
+    """Each attempt's seconds from its worker group's start to its first step (a compile cache shows here)."""
+    if not attempts:
+        return []
+    out = ["seconds to the first step, by attempt (from the worker group's start; after a restart also from its decision):"]
+    for i, a in enumerate(attempts, 1):
+        took = a["seconds_to_first_step"]
+        shown = f"{took:.1f} s" if took is not None else "not recorded"
+        why = "first of its launch" if a["after"] == "first" else f"after a {a['after']}"
+        since = f" ({a['seconds_from_restart']:.1f} s after the {a['after']}'s decision)" \
+            if a["seconds_from_restart"] is not None else ""
+        out.append(f"  {i}. attempt {a['attempt']}, {why}, from step {a['resumed_from_step']}: {shown}{since}")
     return out

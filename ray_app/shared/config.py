@@ -29,9 +29,10 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 BF16_RESOLUTION = 2.0 ** -8  # bf16 keeps 8 significant bits: 1 - x rounds to 1 for most weights when x is below
 
 
-def _f(default, help: str, choices=None, min=None, max=None):
-    """A config field with its help text and bounds kept in metadata."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max}
+def _f(default, help: str, choices=None, min=None, max=None, schema=None):
+    """A config field with its help text and bounds kept in metadata; ``schema``: what the JSON Schema of a
+    config file says of it beyond its type (a key that takes a word or a number: its types and pattern)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "schema": schema or {}}
     return field(default=default, metadata=meta)
 
 
@@ -142,11 +143,19 @@ class TrainSection:
                          "train.compile apply to, under ddp too (without the fallback to top-level children).")
     reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (less memory, one more "
                                      "all-gather in backward).")
+    replicate: str = _f("1", "fsdp: HSDP's replica groups: 1 (plain FSDP: every rank a shard of one group), N (N "
+                        "groups of scaling.num_workers/N ranks, each holding the whole model sharded over its ranks; "
+                        "N must divide scaling.num_workers) or auto (one group per node: a node's ranks shard, the "
+                        "nodes replicate; every node needs the same number of workers).",
+                        schema={"type": ["string", "integer"], "pattern": "^(auto|[1-9][0-9]*)$", "minimum": 1})
     max_steps: int = _f(0, "Stop after this many optimizer steps in total (0 = run all epochs); the LR schedule still spans all epochs.", min=0)
     nonfinite: str = _f("stop", "A step whose loss or gradients are not finite (inf/NaN): stop (exit 1 at that step, "
                         "naming the newest good checkpoint), skip (drop that optimizer step on every rank, counted in "
                         "the summary) or ignore (step anyway). No checkpoint with non-finite parameters is ever "
                         "committed.", choices=["stop", "skip", "ignore"])
+    peak_tflops: float = _f(0.0, "Peak TFLOP/s of one worker's device, what MFU divides by (0 = the GPU's dense bf16 "
+                            "figure from the kit's table; none on a CPU or a GPU not in it, and then no MFU).",
+                            min=0.0)
 
 
 @dataclass
@@ -417,6 +426,7 @@ def _check_cross_field(cfg: Config) -> None:
     if cfg.scaling.use_gpu and cfg.scaling.gpus_per_worker <= 0:
         raise ConfigError("config key scaling.gpus_per_worker: must be > 0 when scaling.use_gpu is true")
     _check_bf16_weight_decay(cfg.train)
+    _check_replicate(cfg)
     f = cfg.failure
     if f.hang_timeout_s <= f.storage_retry_s:
         raise ConfigError(f"config key failure.hang_timeout_s={f.hang_timeout_s:g} must exceed failure.storage_retry_s="
@@ -434,6 +444,31 @@ def _check_bf16_weight_decay(t: TrainSection) -> None:
                           f"bf16's resolution (2^-8 = {BF16_RESOLUTION:.4f}), so each step's weight decay rounds away "
                           "in the bf16 weights and does nothing; use train.precision=bf16-mixed (fp32 master weights) "
                           "or train.weight_decay=0")
+
+
+def _check_replicate(cfg: Config) -> None:
+    """train.replicate: auto or a whole number >= 1; above 1 only under fsdp, dividing a fixed world size."""
+    value, s = cfg.train.replicate, cfg.scaling
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise ConfigError(f"config key train.replicate: {value!r} is not allowed; use 1 (plain FSDP), a whole number "
+                          "N (N replica groups) or auto (one per node)")
+    if value != "auto":
+        value = cfg.train.replicate = str(int(value))  # 02 is 2
+    if value == "1":
+        return
+    if cfg.train.strategy != "fsdp":
+        raise ConfigError(f"config key train.replicate={value} shapes FSDP's mesh (HSDP) and DDP already replicates "
+                          "the whole model on every rank; set train.strategy=fsdp, or train.replicate=1")
+    if value == "auto":
+        return
+    n = int(value)
+    if s.num_workers % n:
+        raise ConfigError(f"config key train.replicate={n} does not divide scaling.num_workers={s.num_workers}: the "
+                          "replica groups must be of equal size; use a divisor of it, or auto (one group per node)")
+    if s.min_workers and s.min_workers < s.num_workers:
+        raise ConfigError(f"config key train.replicate={n} needs a fixed world size, and scaling.min_workers="
+                          f"{s.min_workers} lets it change; use train.replicate=auto (one group per node) or set "
+                          "scaling.min_workers=0")
 
 
 def read_config_file(path: str | os.PathLike) -> Any:

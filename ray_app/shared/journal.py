@@ -11,7 +11,8 @@ kind                 written by           fields
 launch               the driver           launch (its id), mode, host, pid, world_size (asked)
 lease_taken_over     the driver           from (the holder it took the run from), why
 attempt              rank 0               launch, attempt, world_size, hosts, resumed_from_step, global_step
-first_step           rank 0               launch, attempt, global_step
+first_step           rank 0               launch, attempt, global_step, seconds_to_first_step (from rank 0's
+                                          worker entry: build, restore, the first step, its compile)
 checkpoint           rank 0               launch, attempt, global_step, uri, blocked_seconds,
                                           eval_seconds (this attempt's evaluations so far)
 outage               the driver, rank 0   where, during, seconds (an outage waited out)
@@ -31,6 +32,8 @@ with backoff, a full queue drops the new event and counts it, and nothing raises
 ``account`` splits a run's wall time, from its journal alone, into productive training, start-up,
 restarts, steps recomputed after a failure, checkpoint blocking and evaluation; the parts sum to the wall
 time. ``ray-app runs show`` prints it and rank 0 exports its ratio as ``ray_app_goodput_ratio``.
+``first_steps`` lists each attempt's seconds from its worker group's start to its first step (what a
+compile cache kept across restarts shortens), which ``runs show`` prints too.
 """
 
 from __future__ import annotations
@@ -381,7 +384,9 @@ def describe_event(e: dict) -> str:
         return (f"attempt {e.get('attempt', '')}: world size {f.get('world_size')} on {hosts}, "
                 f"from step {f.get('resumed_from_step', 0)}")
     if kind == "first_step":
-        return f"first step: step {f.get('global_step')}"
+        took = f.get("seconds_to_first_step")
+        after = f", {float(took):.1f} s after the worker group's start" if isinstance(took, (int, float)) else ""
+        return f"first step: step {f.get('global_step')}{after}"
     if kind == "checkpoint":
         return (f"checkpoint at step {f.get('global_step')} committed, training blocked "
                 f"{float(f.get('blocked_seconds') or 0):.2f} s: {f.get('uri', '')}")
@@ -398,6 +403,31 @@ def describe_event(e: dict) -> str:
         return f"end: exit {f.get('exit_code')}" + (f": {f['line']}" if f.get("line") else "")
     shown = ", ".join(f"{k} {v}" for k, v in f.items())
     return f"{kind}: {shown}" if shown else kind
+
+
+def first_steps(events: list[dict]) -> list[dict]:
+    """Each attempt of the run, in order: its ``attempt`` and ``launch``, the step it resumed from, what started
+    it (``first`` in a launch, else the kind of the restart or preemption before it), ``seconds_to_first_step``
+    (from its worker group's start, as rank 0 measured it) and ``seconds_from_restart`` (from the failure
+    policy's decision); None where not known (no first step, a journal from before the figure)."""
+    out = []
+    for launch in _launches(sorted(events, key=lambda e: float(e["time"]))):
+        boundary = None
+        for e in launch:
+            if e["kind"] in BOUNDARIES:
+                boundary = e
+            elif e["kind"] == "attempt":
+                first = next((x for x in launch if x["kind"] == "first_step"
+                              and x.get("attempt") == e.get("attempt")), None)
+                took = first.get("seconds_to_first_step") if first is not None else None
+                out.append({"attempt": e.get("attempt"), "launch": e.get("launch"),
+                            "resumed_from_step": e.get("resumed_from_step", 0),
+                            "after": boundary["kind"] if boundary is not None else "first",
+                            "seconds_to_first_step": float(took) if isinstance(took, (int, float)) else None,
+                            "seconds_from_restart": round(float(first["time"]) - float(boundary["time"]), 3)
+                            if first is not None and boundary is not None else None})
+                boundary = None
+    return out
 
 
 def when(unix: float) -> str:
@@ -418,8 +448,9 @@ class JournalSink:
     Every call is cheap (no storage call on the training thread)."""
 
     def __init__(self, writer_: JournalWriter | None, storage=None, run: str = "", *, launch: str = "",
-                 hosts: list[str] | None = None, goodput=None, clock=time.time):
+                 hosts: list[str] | None = None, goodput=None, clock=time.time, started: float | None = None):
         self.writer, self.storage, self.run, self.goodput, self.clock = writer_, storage, run, goodput, clock
+        self.started = started  # unix time of this worker group's start (rank 0's worker entry), if known
         self.attempt = uuid.uuid4().hex[:8]
         self.hosts = list(hosts or [socket.gethostname()])
         if self.writer is not None:
@@ -457,7 +488,8 @@ class JournalSink:
         self.global_step += 1
         if not self._first_done:
             self._first_done = True
-            self._record("first_step", global_step=self.global_step)
+            took = {} if self.started is None else {"seconds_to_first_step": round(self.clock() - self.started, 3)}
+            self._record("first_step", global_step=self.global_step, **took)
 
     def on_progress(self, *, global_step, **_values) -> None:
         self.global_step = int(global_step)

@@ -6,6 +6,11 @@ does everything distributed itself:
 - ``loss(model, batch) -> (mean_loss, num_samples)``: the mean loss of this
   batch and the number of samples it averages over (the kit's logged loss is
   the sample-weighted global mean over all ranks).
+- optional class attribute ``counts = "tokens"``: that number is of tokens, not
+  samples (``causal_lm``'s target tokens). The kit then counts samples from the
+  batches (their first dimension) and shows tokens/s beside samples/s: in the
+  progress lines, the summary (``train_tokens``, ``steady_tokens_per_second``)
+  and ``ray_app_tokens_per_second``. Default ``"samples"``.
 - ``evaluate(model, batch) -> {name: per-sample tensor of shape [B]}``: each
   rank sums the values with the sampler's padded duplicates masked out, the
   kit all-reduces the sums and the count (exactly: each mean equals a
@@ -131,6 +136,8 @@ class CausalLM:
     sum of every target token's loss over the distinct eval samples divided by the number of those tokens, and
     ``eval_perplexity`` its exp, exactly (both sums are the kit's exact eval sums).
     """
+
+    counts = "tokens"  # the loss count is target tokens: the kit shows tokens/s, and samples/s from the batches
 
     def __init__(self, ignore_index: int = -100, input_key: str = "input_ids", labels_key: str = "labels",
                  mask_key: str = "attention_mask"):

@@ -182,10 +182,18 @@ def assert_identical_parameters(model: torch.nn.Module) -> None:
 
 def global_sum_and_count(loss_sum: torch.Tensor, count: torch.Tensor) -> tuple[float, float]:
     """Practice 4: (sum, n) over all ranks (one all_reduce of [sum, n])."""
-    t = torch.stack([torch.as_tensor(loss_sum).double(), torch.as_tensor(count, device=loss_sum.device).double()])
+    total, n = global_sums(loss_sum, count)
+    return total, n
+
+
+def global_sums(first: torch.Tensor, *more) -> list[float]:
+    """Each value summed over all ranks (one all_reduce of them all, in float64); ``first`` a tensor on the
+    device, the others tensors or numbers."""
+    t = torch.stack([torch.as_tensor(first).double(),
+                     *(torch.as_tensor(v, device=first.device).double() for v in more)])
     with entered("global loss (all_reduce)"):
         dist.all_reduce(t)  # sync point: all ranks
-    return t[0].item(), t[1].item()
+    return t.tolist()
 
 
 def global_mean(loss_sum: torch.Tensor, count: torch.Tensor) -> float:

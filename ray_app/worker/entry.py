@@ -55,6 +55,7 @@ class RayRuntime:
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.node_id = ray.get_runtime_context().get_node_id()  # HSDP's mesh groups ranks by it (worker.mesh)
         self.storage, self.run = storage, run
         self.ddp_options = dict(ddp_options or {})  # train.find_unused_parameters, train.static_graph
         self.upload_mode = (ray.train.CheckpointUploadMode.ASYNC if upload_mode == "async"
@@ -147,7 +148,8 @@ def _train(cfg: Config, runtime: RayRuntime, stats, job: dict) -> tuple[dict, ob
         prometheus = PrometheusMetrics(cfg.metrics.port) if cfg.metrics.enabled else None
         metrics = FanOutSink([rank0_sink(cfg, runtime.storage, job.get("tracking_key", cfg.run.name),
                                          prometheus=prometheus),
-                              *journal_sink(cfg, runtime.storage, job, hosts, prometheus)])
+                              *journal_sink(cfg, runtime.storage, job, hosts, prometheus,
+                                            started=stats.timeline.get("worker_start_unix"))])
         checkpointer.on_commit = metrics.on_checkpoint_committed
     watchdog = hang_watchdog(cfg, runtime, job)
     try:
@@ -194,10 +196,10 @@ def gather_hosts(world_size: int) -> list[str]:
     return [str(h) for h in hosts]
 
 
-def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus) -> list:
-    """Rank 0's share of the run journal (``ray_app.shared.journal``): this attempt, its first step, its checkpoints,
-    the outages it waits out; and ``ray_app_goodput_ratio`` on ``prometheus`` when metrics are on. None (an
-    empty list) with the journal off."""
+def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus, started: float | None = None) -> list:
+    """Rank 0's share of the run journal (``ray_app.shared.journal``): this attempt, its first step (and its
+    seconds from ``started``, this worker's entry), its checkpoints, the outages it waits out; and
+    ``ray_app_goodput_ratio`` on ``prometheus`` when metrics are on. None (an empty list) with the journal off."""
     import os
     import socket
 
@@ -209,7 +211,7 @@ def journal_sink(cfg: Config, storage, job: dict, hosts: list[str], prometheus) 
     if w is not None:
         journal.record_outages(w)
     return [journal.JournalSink(w, storage, cfg.run.name, launch=job.get("launch_id", ""), hosts=hosts,
-                                goodput=prometheus)]
+                                goodput=prometheus, started=started)]
 
 
 def preemption_agreement(cfg: Config):

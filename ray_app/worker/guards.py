@@ -2,7 +2,7 @@
 
 - ``LossContract``: the task's ``loss(model, batch)`` returns ``(mean_loss, num_samples)`` with a scalar
   loss that requires grad and a positive count (checked on the first call; one line naming
-  ``task.name`` otherwise: bad input, exit 2).
+  ``task.name`` otherwise: bad input, exit 2); ``counts_tokens``: what that count is of.
 - ``NonFinite``: ``train.nonfinite`` (stop | skip | ignore) and ``train.clip_grad_norm``: after DDP's
   all-reduce every rank holds the same gradients, so every rank gets the same answer at the same step;
   ``stop`` raises ``Diverged`` naming the newest good checkpoint, ``skip`` drops the optimizer step on every
@@ -39,6 +39,16 @@ class LossContract:
                                   "it must be a positive number (the samples the mean is over)")
             self.checked = True
         return loss.reshape(()), n
+
+
+def counts_tokens(task, name: str) -> bool:
+    """Whether the task's loss count is tokens: its ``counts`` attribute, ``"samples"`` (the default) or
+    ``"tokens"`` (anything else is bad input naming ``task.name``)."""
+    counts = getattr(task, "counts", "samples")
+    if counts not in ("samples", "tokens"):
+        raise PluginError(f"config key task.name: {name}.counts is {counts!r}; it must be \"samples\" or \"tokens\" "
+                          "(what the count its loss returns is of)")
+    return counts == "tokens"
 
 
 class NonFinite:

@@ -45,9 +45,9 @@ from ray_app.shared.config import Config
 from ray_app.shared.errors import Preempted, Stopped
 from ray_app.worker.checkpoint import CheckpointFiles, capture_rng_state
 from ray_app.worker.collectives import entered
-from ray_app.worker.ddp import to_device
+from ray_app.worker.ddp import first_dim, to_device
 from ray_app.worker.evaluation import Evaluator
-from ray_app.worker.guards import LossContract, NonFinite
+from ray_app.worker.guards import LossContract, NonFinite, counts_tokens
 from ray_app.worker.pace import Pace
 from ray_app.worker.parts import Parts, Runtime
 from ray_app.worker.preemption import STOP, TRAINING, Agreement
@@ -75,10 +75,10 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.autocast = parts.precision.autocast  # bf16 autocast: no loss scaling (no GradScaler)
         self.stats = stats or RunStats()
-        self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0)
-        self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device,  # every rank's pace (ray_app.worker.pace)
-                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, say=self.print0,
-                         enabled=cfg.metrics.rank_pace)
+        self.progress = Progress(metrics, self.device, parts.total_steps, say=self.print0, stats=self.stats,  # tokens/s, MFU
+                                 tokens=counts_tokens(self.task, cfg.task.name), peak_tflops=cfg.train.peak_tflops)
+        self.pace = Pace(self.rank, self.world_size, parts.module, metrics, self.device, say=self.print0, enabled=cfg.metrics.rank_pace,
+                         samples_per_step=cfg.data.batch_size * cfg.train.grad_accum, replicas=parts.mesh.replica_of() if parts.mesh else None)
         self.evaluator = Evaluator(self.task, cfg.task.name, parts.eval_set, self.world_size, self.device,
                                    autocast=parts.precision.autocasts, on_eval=metrics.on_eval)
         self.pos = Position()
@@ -115,8 +115,7 @@ class Trainer:
         summary = self._final_metrics()
         self._final_checkpoint(summary)
         self.ckpt.wait_committed()  # a staged share still uploading: the worker stays until it is done
-        summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4),
-                       checkpoints_written=self.ckpt.written)
+        summary.update(checkpoint_blocked_seconds=round(self.ckpt.blocked_seconds, 4), checkpoints_written=self.ckpt.written)
         self.metrics.close()
         return summary
 
@@ -140,7 +139,7 @@ class Trainer:
         print(f"rank {self.rank}/{self.world_size} on host {host} ip {ip} device {self.device}", flush=True)
         c = self.cfg
         self.print0(f"run {c.run.name}: {c.model.name} on {c.data.name}, task {c.task.name}, "
-                    f"{self.parts.steps_per_epoch} steps/epoch x {c.train.epochs} epochs, world size {self.world_size}")
+                    f"{self.parts.steps_per_epoch} steps/epoch x {c.train.epochs} epochs, world size {self.world_size}{self.parts.mesh_words}")
         self.metrics.start(run=c.run.name, model=c.model.name, dataset=c.data.name, task=c.task.name,
                            version=__version__, world_size=self.world_size, resumed_from_step=self.resumed_from_step,
                            global_step=self.pos.global_step, epoch=self.pos.epoch, use_gpu=self.device.type == "cuda",
@@ -161,9 +160,10 @@ class Trainer:
             group_start = b - b % accum
             group_size = min(accum, parts.batches_per_epoch - group_start)
             last_micro = (b - group_start + 1) == group_size
-            loss, n = self._forward_backward(to_device(batch, self.device), group_size, sync=last_micro)
+            with self.progress.flops.counting(self.pos.global_step + 1, b - group_start, group_size):  # once per attempt
+                loss, n = self._forward_backward(to_device(batch, self.device), group_size, sync=last_micro)
             self.pace.backward_done()
-            self.progress.add(loss, n)
+            self.progress.add(loss, n, first_dim(batch))
             self.pos.batches_done += 1
             self.pos.samples_done += cfg.data.batch_size * self.world_size  # full batches until the epoch's last
             if not last_micro:
@@ -288,7 +288,7 @@ class Trainer:
     def _final_metrics(self) -> dict:
         return {**self._metrics_dict(), "epochs": self.pos.epoch, "world_size": self.world_size,
                 "skipped_steps": self.nonfinite.skipped_steps, "train_seconds": self.stats.train_seconds(),
-                "steady_samples_per_second": self.stats.steady_rate(), **self.stats.timeline}
+                "steady_samples_per_second": self.stats.steady_rate(), **self.progress.throughput(), **self.stats.timeline}
 
     def _final_checkpoint(self, summary: dict) -> None:
         """Always end on a committed checkpoint (unless checkpoints are off or nothing new was trained)."""

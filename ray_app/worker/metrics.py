@@ -36,6 +36,10 @@ METRICS = {
     "ray_app_train_loss": ("gauge", "Training loss, sample-weighted global mean over all ranks, last logging interval."),
     "ray_app_samples_processed_total": ("counter", "Training samples processed by all ranks."),
     "ray_app_samples_per_second": ("gauge", "Global training throughput over the last logging interval."),
+    "ray_app_tokens_per_second": ("gauge", "Global training tokens per second over the last logging interval, "
+                                  "for a task that counts tokens (causal_lm); NaN otherwise."),
+    "ray_app_mfu": ("gauge", "Model FLOP utilization over the last logging interval: FLOPs per step (counted once) "
+                    "x steps / seconds / the device's peak; NaN until counted and without a known peak."),
     "ray_app_step_seconds": ("histogram", "Wall time of one optimizer step on rank 0."),
     "ray_app_epoch": ("gauge", "Current epoch (0-based)."),
     "ray_app_global_step": ("gauge", "Optimizer steps taken since the run started."),
@@ -144,7 +148,8 @@ class NullMetrics:
     def start(self, *, run, model, dataset, task, version, world_size, resumed_from_step, global_step=0, epoch=0,
               use_gpu=False, last_checkpoint_unix=0.0, tracking=None) -> None: ...
     def on_step(self, step_seconds: float) -> None: ...
-    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None: ...
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second,
+                    tokens=None, tokens_per_second=None, mfu=None) -> None: ...
     def on_eval(self, values: Mapping[str, float]) -> None: ...
     def on_checkpoint(self, *, blocked_seconds) -> None: ...
     def on_gpu_memory(self, *, allocated, max_allocated) -> None: ...
@@ -181,6 +186,11 @@ class PrometheusMetrics(NullMetrics):
         self.train_loss = g("ray_app_train_loss")
         self.samples = Counter("ray_app_samples_processed", h["ray_app_samples_processed_total"], registry=reg)
         self.samples_per_second = g("ray_app_samples_per_second")
+        # NaN (a gap in Grafana, never a fake 0) for a task that counts no tokens, and until MFU is known
+        self.tokens_per_second = g("ray_app_tokens_per_second")
+        self.mfu = g("ray_app_mfu")
+        self.tokens_per_second.set(float("nan"))
+        self.mfu.set(float("nan"))
         self.step_seconds = Histogram("ray_app_step_seconds", h["ray_app_step_seconds"], buckets=STEP_BUCKETS, registry=reg)
         self.epoch = g("ray_app_epoch")
         self.global_step = g("ray_app_global_step")
@@ -262,13 +272,18 @@ class PrometheusMetrics(NullMetrics):
     def on_step(self, step_seconds: float) -> None:
         self.step_seconds.observe(step_seconds)
 
-    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None:
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second,
+                    tokens=None, tokens_per_second=None, mfu=None) -> None:
         self.epoch.set(epoch)
         self.global_step.set(global_step)
         self.lr.set(lr)
         self.train_loss.set(train_loss)
         self.samples.inc(samples)
         self.samples_per_second.set(samples_per_second)
+        if tokens_per_second is not None:
+            self.tokens_per_second.set(tokens_per_second)
+        if mfu is not None:
+            self.mfu.set(mfu)
         self.updated_at = time.monotonic()
 
     def on_eval(self, values: Mapping[str, float]) -> None:

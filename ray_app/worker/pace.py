@@ -24,6 +24,10 @@ or by its compute (its forward is slow too). Under FSDP the forward holds all-ga
 estimate is an upper bound there; on a GPU the marks are host-side (kernels are queued, not waited for),
 so the data wait is exact and the rest shows where the host blocked.
 
+Each row carries the rank's replica group under HSDP (``train.replicate``: ``ray_app.worker.mesh``), and the line
+naming a straggler says it: a slow rank holds back its own shard group's collectives every unit, the other
+groups only at the gradients' all-reduce across groups.
+
 Rank 0 exports each rank's own seconds per step and data wait per step (``ray_app_rank_step_seconds``,
 ``ray_app_rank_data_wait_seconds``, labelled ``rank`` and ``host``) and names, in one progress line, a rank
 whose own time per step stays above ``STRAGGLER_RATIO`` times the other ranks' median and above it by at
@@ -62,6 +66,7 @@ class RankPace:
     data_wait_seconds: float  # seconds per step waiting for the next batch
     wall_seconds: float  # wall seconds per step (the same on every rank under DDP)
     samples_per_second: float  # this rank's samples over the interval's wall time
+    replica: int = 0  # its replica group under HSDP (train.replicate; 0 for every rank otherwise)
 
 
 def own_seconds(sums: list[list[float]]) -> list[float]:
@@ -116,14 +121,16 @@ class StragglerWatch:
         return out
 
 
-def straggler_line(p: RankPace, median: float, others_wait: float, intervals: int, global_step: int) -> str:
-    """The one progress line naming a rank that stays behind."""
+def straggler_line(p: RankPace, median: float, others_wait: float, intervals: int, global_step: int,
+                   hsdp: bool = False) -> str:
+    """The one progress line naming a rank that stays behind (under HSDP, with its replica group)."""
     excess = p.step_seconds - median
     extra_wait = p.data_wait_seconds - others_wait
     why = (f"its data wait explains it ({p.data_wait_seconds:.3f} s per step, the others' {others_wait:.3f} s)"
            if extra_wait >= 0.5 * excess else
            f"not its data wait ({p.data_wait_seconds:.3f} s per step): its forward, backward or optimizer step")
-    return (f"straggler: rank {p.rank} on host {p.host} is behind for {intervals} log intervals to step "
+    replica = f" (replica group {p.replica})" if hsdp else ""
+    return (f"straggler: rank {p.rank}{replica} on host {p.host} is behind for {intervals} log intervals to step "
             f"{global_step}: {p.step_seconds:.3f} s of its own per step, {p.step_seconds / max(median, 1e-9):.1f}x "
             f"the other ranks' median {median:.3f} s (+{excess:.3f} s); {why}")
 
@@ -132,8 +139,10 @@ class Pace:
     """This rank's step timing marks and the log interval's exchange (rank 0 exports and names)."""
 
     def __init__(self, rank: int, world_size: int, module: torch.nn.Module, metrics, device: torch.device,
-                 samples_per_step: int, say=print, watch: StragglerWatch | None = None, enabled: bool = True):
+                 samples_per_step: int, say=print, watch: StragglerWatch | None = None, enabled: bool = True,
+                 replicas: list[int] | None = None):
         self.rank, self.world_size, self.metrics, self.device, self.say = rank, world_size, metrics, device, say
+        self.replicas = replicas or [0] * world_size  # each rank's replica group (HSDP), in rank order
         self.enabled = enabled  # metrics.rank_pace; off: the loader as it is, no hooks, no all_gather
         self.samples_per_step = samples_per_step  # this rank's samples per optimizer step
         self.watch = watch or StragglerWatch()
@@ -229,10 +238,12 @@ class Pace:
             steps, wall = max(s[0], 1.0), s[5]
             rows.append(RankPace(rank=r, host=self.hosts[r] if r < len(self.hosts) else "unknown",
                                  step_seconds=own[r], data_wait_seconds=s[1] / steps, wall_seconds=wall / steps,
-                                 samples_per_second=s[0] * self.samples_per_step / wall if wall > 0 else 0.0))
+                                 samples_per_second=s[0] * self.samples_per_step / wall if wall > 0 else 0.0,
+                                 replica=self.replicas[r] if r < len(self.replicas) else 0))
         return rows
 
     def _name_stragglers(self, rows: list[RankPace], global_step: int) -> None:
         for r, median in self.watch.update([p.step_seconds for p in rows]):
             others_wait = statistics.median([p.data_wait_seconds for p in rows if p.rank != r])
-            self.say(straggler_line(rows[r], median, others_wait, self.watch.intervals, global_step))
+            self.say(straggler_line(rows[r], median, others_wait, self.watch.intervals, global_step,
+                                    hsdp=len(set(self.replicas)) > 1))

@@ -19,6 +19,7 @@ from ray_app.shared.plugins import build_data, build_model, build_task
 from ray_app.worker.ddp import ResumableDistributedSampler, assert_identical_parameters, data_samplers, lr_lambda, seed_everything
 from ray_app.worker.evaluation import EvalSet
 from ray_app.worker.lora import apply_lora, is_lora
+from ray_app.worker.mesh import MeshPlan, device_mesh, mesh_plan
 from ray_app.worker.pretrained import load_pretrained, pending_weights
 from ray_app.worker.speed import Precision, apply_speed_switches
 from ray_app.worker.strategy import fully_shard_model
@@ -32,6 +33,8 @@ class Runtime(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    # optional: ``node_id``, this worker's node (Ray's node id), which HSDP's mesh groups ranks by
+    # (``ray_app.worker.mesh``); without it, $RAY_APP_NODE_ID or the host name
 
     def prepare_model(self, model: torch.nn.Module, bucket_cap_mb: int = 25) -> torch.nn.Module: ...
 
@@ -58,6 +61,13 @@ class Parts:
     steps_per_epoch: int
     total_steps: int
     param_keys: frozenset  # state-dict keys only an optimizer step changes (a staged checkpoint copies them later)
+    mesh: MeshPlan | None = None  # fsdp: which ranks shard together (train.replicate); None under DDP
+
+    @property
+    def mesh_words(self) -> str:
+        """What the start line says of the mesh: ``, mesh replicate 2 x shard 2 (shard groups by node)`` under
+        fsdp, nothing under DDP."""
+        return f", {self.mesh.describe()}" if self.mesh else ""
 
 
 def build_parts(cfg: Config, runtime: Runtime) -> Parts:
@@ -72,12 +82,15 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
     precision = Precision(cfg.train.precision, sharded=cfg.train.strategy == "fsdp")
     # torchtitan's order: precision, activation checkpointing, compile (ray_app.worker.speed), then FSDP or DDP
     module = apply_speed_switches(module, cfg.train, precision)
+    plan = None
     if cfg.train.strategy == "fsdp":  # practice 1 on the unsharded parameters: FSDP broadcasts nothing
         if not pretrained:
             assert_identical_parameters(module)
+        # HSDP (train.replicate): the ranks grouped by the nodes they report (every rank: a collective)
+        plan = mesh_plan(cfg.train.replicate, runtime.world_size, getattr(runtime, "node_id", None))
         model = module = fully_shard_model(module, runtime.device, runtime.world_size, units=cfg.train.fsdp_units,
                                            reshard_after_forward=cfg.train.reshard_after_forward,
-                                           bf16=precision.gather_bf16)
+                                           bf16=precision.gather_bf16, mesh=device_mesh(plan, runtime.device.type))
         load_pretrained(module, runtime.device)  # every rank its own rows: the same file, so equal by making
     else:
         load_pretrained(module, runtime.device)
@@ -117,7 +130,7 @@ def build_parts(cfg: Config, runtime: Runtime) -> Parts:
             keep=eval_keep,
             batch_sizes=[min(bs, n_eval - i) for i in range(0, n_eval, bs)]),
         batches_per_epoch=batches_per_epoch, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)),
+        param_keys=frozenset(n for n, _ in module.named_parameters(remove_duplicate=False)), mesh=plan,
     )
 
 

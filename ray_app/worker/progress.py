@@ -2,8 +2,9 @@
 
 Every rank adds its batches' loss sums; at a logging step (every rank at the same step) one all-reduce
 gives the sample-weighted global mean (practice 4), rank 0 prints the line and tells the metrics sink.
-``RunStats`` times the start-up and the steady state for the summary. Nothing here decides what the
-loop does next.
+A task whose loss count is tokens (``counts = "tokens"``, as ``causal_lm``) has its samples counted from
+the batches and its tokens from that count: samples/s counts samples, tokens/s tokens. ``RunStats`` times
+the start-up and the steady state for the summary. Nothing here decides what the loop does next.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ray_app.worker.ddp import global_sum_and_count
+from ray_app.worker.ddp import global_sum_and_count, global_sums
+from ray_app.worker.flops import StepFlops
 
 
 @runtime_checkable
@@ -25,7 +27,8 @@ class MetricsSink(Protocol):
 
     def on_step(self, step_seconds: float) -> None: ...
 
-    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None: ...
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second,
+                    tokens=None, tokens_per_second=None, mfu=None) -> None: ...  # tokens: a token task's; mfu: when known
 
     def on_eval(self, values: dict) -> None: ...
 
@@ -56,6 +59,10 @@ class RunStats:
     steady_samples: int = 0
     t_start: float = 0.0
     global_step: int = -1  # optimizer steps taken so far (-1 before training starts): where an error was raised
+    train_tokens: int = 0  # a token task's tokens trained by this worker group, all ranks (its logged intervals)
+    steady_tokens: int = 0  # those of the logged intervals that began after the warm-up steps
+    steady_interval_steps: int = 0
+    steady_interval_seconds: float = 0.0
 
     def mark(self, name: str) -> None:
         self.timeline.setdefault(name, time.time())
@@ -81,14 +88,43 @@ class RunStats:
     def train_seconds(self) -> float:
         return time.perf_counter() - self.t_start
 
+    def on_interval(self, step0: int, step1: int, seconds: float, tokens: int | None) -> None:
+        """A logged interval from ``step0`` to ``step1``: its seconds and (a token task's) global tokens."""
+        self.train_tokens += tokens or 0
+        if step0 >= self.steady_from_step:
+            self.steady_tokens += tokens or 0
+            self.steady_interval_steps += step1 - step0
+            self.steady_interval_seconds += seconds
+
+    def throughput(self, *, tokens: bool, flops: StepFlops) -> dict:
+        """The summary's tokens and MFU (a token task's, and where ``flops``, a ``StepFlops``, has a figure),
+        over the logged intervals after the warm-up steps: tokens counted / their seconds, FLOPs per step x
+        steps / seconds / peak. Keys without a figure are left out."""
+        out: dict = {}
+        seconds = self.steady_interval_seconds
+        if tokens:
+            out["train_tokens"] = self.train_tokens
+            if seconds > 0:
+                out["steady_tokens_per_second"] = self.steady_tokens / seconds
+        if flops.per_step:
+            out["flops_per_step"] = flops.per_step
+            mfu = flops.mfu(self.steady_interval_steps, seconds)
+            if mfu is not None:
+                out["steady_mfu"] = mfu
+        return out
+
 
 # ---------------------------------------------------------------- the train loss and progress lines
 
 class Progress:
     """This rank's loss sums for the current logging interval and epoch; the global mean at each log."""
 
-    def __init__(self, metrics: MetricsSink, device: torch.device, total_steps: int, say=print):
+    def __init__(self, metrics: MetricsSink, device: torch.device, total_steps: int, say=print, *,
+                 tokens: bool = False, peak_tflops: float = 0.0, stats: RunStats | None = None):
         self.metrics, self.device, self.total_steps, self.say = metrics, device, total_steps, say
+        self.tokens = tokens  # the task's loss count is tokens (a count of samples otherwise)
+        self.flops = StepFlops(device, peak_tflops, say=say)  # FLOPs per step (counted in the loop's step), MFU
+        self.stats = stats  # the run statistics the summary's figures come from
         # float64 sums of each batch's float32 loss x samples: exact in practice, so an epoch's sums cut by a
         # checkpoint and added up after a resume equal the uncut ones (the uninterrupted run's epoch loss)
         self.epoch_loss = torch.zeros((), device=device, dtype=torch.float64)  # this epoch (this attempt), this rank
@@ -100,6 +136,7 @@ class Progress:
         self.t0, self.step0, self.batches = time.perf_counter(), global_step, 0
         self.loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self.count = torch.zeros((), device=self.device, dtype=torch.float64)
+        self.samples = torch.zeros((), device=self.device, dtype=torch.float64)
 
     def new_epoch(self, global_step: int, batches_done: int = 0) -> None:
         """An epoch starts, or goes on after a resume (``batches_done`` > 0: the sums ``before`` it stay)."""
@@ -108,31 +145,46 @@ class Progress:
             self.before = (0.0, 0.0)
         self.new_interval(global_step)
 
-    def add(self, loss: torch.Tensor, n) -> None:
-        """One batch: its mean loss over ``n`` samples (kept on the device: no sync per step)."""
+    def add(self, loss: torch.Tensor, n, batch_size: int | None = None) -> None:
+        """One batch: its mean loss over ``n`` samples, or tokens for a token task, whose ``batch_size``
+        samples are counted apart (kept on the device: no sync per step)."""
         self.loss_sum += loss.detach() * n
         self.count += n
+        self.samples += batch_size if self.tokens and batch_size is not None else n
         self.batches += 1
 
     def log(self, *, epoch: int, global_step: int, lr: float) -> None:
         """Practice 4: the sample-weighted global mean of the interval's loss (collective: every rank
         calls it at the same step); rank 0's line and metrics."""
-        total, n = global_sum_and_count(self.loss_sum, self.count)  # sync point: all ranks
+        total, n, samples = global_sums(self.loss_sum, self.count, self.samples)  # sync point: all ranks
         loss = total / max(n, 1.0)
         self.epoch_loss += self.loss_sum
         self.epoch_count += self.count
         dt = time.perf_counter() - self.t0
-        samples = int(n)  # all ranks' samples (the task's num_samples may differ by rank)
+        steps = global_step - self.step0
+        samples = int(samples)  # all ranks' samples (the task's num_samples may differ by rank)
+        tokens = int(n) if self.tokens else None  # all ranks' tokens: a token task's loss count
         sps = samples / dt if dt > 0 else 0.0
-        eta = (self.total_steps - global_step) * dt / max(global_step - self.step0, 1)
+        tps = tokens / dt if tokens is not None and dt > 0 else None
+        mfu = self.flops.mfu(steps, dt)
+        eta = (self.total_steps - global_step) * dt / max(steps, 1)
         self.metrics.on_progress(epoch=epoch, global_step=global_step, lr=lr, train_loss=loss,
-                                 samples=samples, samples_per_second=sps)
+                                 samples=samples, samples_per_second=sps, tokens=tokens, tokens_per_second=tps,
+                                 mfu=mfu)
+        if self.stats is not None:
+            self.stats.on_interval(self.step0, global_step, dt, tokens)
         if self.device.type == "cuda":
             self.metrics.on_gpu_memory(allocated=torch.cuda.memory_allocated(),
                                        max_allocated=torch.cuda.max_memory_allocated())
+        rates = f"{sps:,.0f} samples/s" + (f" {tps:,.0f} tokens/s" if tps is not None else "") + \
+            (f" MFU {100 * mfu:.1f}%" if mfu is not None else "")
         self.say(f"epoch {epoch} step {global_step}/{self.total_steps} "
-                 f"loss {loss:.4f} lr {lr:.4g} {sps:,.0f} samples/s eta {fmt_eta(eta)}")
+                 f"loss {loss:.4f} lr {lr:.4g} {rates} eta {fmt_eta(eta)}")
         self.new_interval(global_step)
+
+    def throughput(self) -> dict:
+        """The summary's tokens and MFU figures (``RunStats.throughput``)."""
+        return self.stats.throughput(tokens=self.tokens, flops=self.flops) if self.stats is not None else {}
 
     def epoch_train_loss(self, *, epoch: int, global_step: int, lr: float) -> float:
         """The rest of the interval logged, then the epoch's global mean train loss (collective), the steps

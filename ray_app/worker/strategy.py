@@ -1,6 +1,7 @@
 """How the model is spread over the workers (``train.strategy``): DDP (the default: every rank holds the whole
 model, gradients all-reduced) or FSDP2 (``fully_shard``: parameters, gradients and optimizer state sharded
-over the ranks, gathered unit by unit for forward and backward).
+over the ranks, gathered unit by unit for forward and backward), over one group of all ranks or, with
+``train.replicate``, HSDP's replica groups (sharded within a group, replicated across: ``ray_app.worker.mesh``).
 
 The loop and the checkpoints see one model either way; what differs lives here: wrapping, skipping the
 gradient sync on non-final micro-steps, and moving state in and out. State goes through
@@ -140,17 +141,18 @@ def _blocks_in(container: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def fully_shard_model(module: torch.nn.Module, device: torch.device, world_size: int, *, units: str = "",
-                      reshard_after_forward: bool = True, bf16: bool = False) -> torch.nn.Module:
-    """FSDP2 over all ranks (one mesh dimension): each unit sharded, then the root. ``bf16``
-    (``train.precision=bf16-mixed``): fp32 parameters gathered in bf16, gradients reduced in fp32, and the root's
-    outputs cast to fp32, so that the task's loss, outside the model, computes in fp32 whatever it does (an MSE
-    against fp32 targets, a cross-entropy of the logits)."""
+                      reshard_after_forward: bool = True, bf16: bool = False, mesh=None) -> torch.nn.Module:
+    """FSDP2 over ``mesh`` (``ray_app.worker.mesh.device_mesh``: 1-D, every rank a shard; 2-D, HSDP), by default
+    all ranks on one dimension: each unit sharded, then the root. ``bf16`` (``train.precision=bf16-mixed``): fp32
+    parameters gathered in bf16, gradients reduced in fp32, and the root's outputs cast to fp32, so that the task's
+    loss, outside the model, computes in fp32 whatever it does (an MSE against fp32 targets, a cross-entropy of the
+    logits)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shards = shard_units(module, units)
     check_shardable(module, shards, units)
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
     kwargs = root_kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if bf16:
         kwargs = dict(kwargs, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -171,7 +173,8 @@ class ReplicatedScalars:
     """Scalar (0-d) parameters, such as a learned temperature, under FSDP, which shards every parameter along
     its first dimension and so cannot take them: every rank holds them whole, as DDP does, and their gradients
     are averaged over the ranks when FSDP reduces the others' (a backward outside ``no_sync``), each as it is
-    accumulated. Their norm counts once in the global one (``grad_norm``); a checkpoint writes them once."""
+    accumulated. Their norm counts once in the global one (``grad_norm``); a checkpoint writes them once. Under
+    HSDP too the average is over every rank: each rank's batch is its own, whatever group it shards in."""
 
     def __init__(self):
         self.sync = True  # False inside no_sync (a non-final accumulation micro-step)
@@ -299,18 +302,21 @@ def grad_norm(model: torch.nn.Module, max_norm: float = 0.0) -> torch.Tensor:
     """The global L2 norm of the model's gradients as a plain tensor, the same on every rank; with ``max_norm``
     the gradients are scaled down to it first (``clip_grad_norm_``'s rule). DDP: every rank holds the whole,
     all-reduced gradients, so the norm is local. FSDP: each rank sums the squares of its own shards and one
-    ``all_reduce`` of one number adds them (the DTensor route of ``clip_grad_norm_`` redistributes every
-    parameter's norm on its own: a collective per parameter, every step)."""
+    ``all_reduce`` of one number over the shard group adds them (the DTensor route of ``clip_grad_norm_``
+    redistributes every parameter's norm on its own: a collective per parameter, every step). Under HSDP each
+    replica group holds the same reduced gradients, so the sum over its own shards is the whole norm."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sharded = [g for g in grads if _sharded_only(g)]
+    sharded = [g for g in grads if _shard_dim(g) is not None]
     whole = [g for g in grads if not hasattr(g, "to_local")]  # ReplicatedScalars': the same on every rank
-    if not is_sharded(model) or len(sharded) + len(whole) != len(grads):
+    groups = {(id(g.device_mesh), _shard_dim(g)) for g in sharded}
+    if not is_sharded(model) or len(sharded) + len(whole) != len(grads) or len(groups) > 1:
         if max_norm:
             return full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         return full_value(torch.nn.utils.get_total_norm(grads))
     local = [g.to_local() for g in sharded]
     square = torch.nn.utils.get_total_norm(local).to(torch.float32) ** 2 if local else torch.zeros(())
-    dist.all_reduce(square, group=sharded[0].device_mesh.get_group() if sharded else None)  # sync point: all ranks
+    group = sharded[0].device_mesh.get_group(_shard_dim(sharded[0])) if sharded else None
+    dist.all_reduce(square, group=group)  # sync point: all ranks (each in its shard group)
     if whole:  # counted once, after the sum over the ranks' shards
         square = square + torch.nn.utils.get_total_norm(whole).to(torch.float32) ** 2
     norm = square.sqrt()
@@ -319,9 +325,15 @@ def grad_norm(model: torch.nn.Module, max_norm: float = 0.0) -> torch.Tensor:
     return norm
 
 
-def _sharded_only(t) -> bool:
-    """A DTensor sharded over every mesh dimension (each element on one rank: its square counted once)."""
-    return hasattr(t, "to_local") and all(p.is_shard() for p in t.placements)
+def _shard_dim(t) -> int | None:
+    """The one mesh dimension a DTensor is sharded over, replicated over any other (FSDP's: ``Shard`` on its
+    1-D mesh, ``(Replicate, Shard)`` on HSDP's 2-D one): each element on one rank of that dimension's group,
+    its square counted once there. None for anything else."""
+    if not hasattr(t, "to_local"):
+        return None
+    dims = [i for i, p in enumerate(t.placements) if p.is_shard()]
+    rest = all(p.is_shard() or p.is_replicate() for p in t.placements)
+    return dims[0] if len(dims) == 1 and rest else None
 
 
 def full_value(t):

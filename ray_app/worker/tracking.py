@@ -31,10 +31,17 @@ from pathlib import Path
 from ray_app.shared.errors import first_line
 
 PROGRESS_KEYS = ("train_loss", "lr", "samples_per_second")  # what on_progress logs, under these names
+OPTIONAL_PROGRESS_KEYS = ("tokens_per_second", "mfu")  # logged when the loop has them (a token task; a known peak)
 IMAGE_ENV = "RAY_APP_IMAGE"  # the image a pod runs, when the manifests say (a tag on the MLflow run)
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 UNSENT_IN_CHECKPOINT = 10_000  # values not sent yet that a checkpoint keeps (the newest)
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics, 100 params and 100 tags
+
+
+def progress_values(train_loss, lr, samples_per_second, tokens_per_second, mfu) -> list[tuple[str, float]]:
+    """(name, value) of what a progress step logs: ``PROGRESS_KEYS``, and those of ``OPTIONAL_PROGRESS_KEYS`` given."""
+    optional = [(k, v) for k, v in zip(OPTIONAL_PROGRESS_KEYS, (tokens_per_second, mfu)) if v is not None]
+    return [*zip(PROGRESS_KEYS, (train_loss, lr, samples_per_second)), *optional]
 
 
 def mlflow_uri(cfg) -> str:
@@ -192,11 +199,12 @@ class MlflowSink(_TrackerBase):
             self._items.extend(items)
         self._wake.set()
 
-    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None:
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second,
+                    tokens=None, tokens_per_second=None, mfu=None) -> None:
         self.step = global_step
         ms = int(time.time() * 1000)
         self._put([("metric", k, float(v), global_step, ms)
-                   for k, v in zip(PROGRESS_KEYS, (train_loss, lr, samples_per_second))])
+                   for k, v in progress_values(train_loss, lr, samples_per_second, tokens_per_second, mfu)])
 
     def on_eval(self, values) -> None:
         ms = int(time.time() * 1000)
@@ -348,9 +356,10 @@ class TensorBoardSink(_TrackerBase):
         # a resumed run replays the steps after its checkpoint: the reader drops the earlier events of those
         self.writer = SummaryWriter(str(self.logdir), purge_step=global_step + 1 if global_step else None)
 
-    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second) -> None:
+    def on_progress(self, *, epoch, global_step, lr, train_loss, samples, samples_per_second,
+                    tokens=None, tokens_per_second=None, mfu=None) -> None:
         self.step = global_step
-        for k, v in zip(PROGRESS_KEYS, (train_loss, lr, samples_per_second)):
+        for k, v in progress_values(train_loss, lr, samples_per_second, tokens_per_second, mfu):
             self.writer.add_scalar(k, float(v), global_step)
 
     def on_eval(self, values) -> None:

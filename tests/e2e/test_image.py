@@ -53,6 +53,16 @@ def test_image_runs_as_numeric_non_root_user(image):
     assert "ray-app" in out
 
 
+def test_image_carries_the_hf_and_tracking_extras(image):
+    """`model.name: hf`, LoRA and tracking run in the image as shipped: their libraries import (from the
+    image's venv, offline), each at the version docker/requirements-cpu.txt pins."""
+    code = ("import importlib.metadata as m, transformers, safetensors, tokenizers, peft, mlflow, tensorboard; "
+            "print(' '.join(f'{n}=={m.version(n)}' for n in ('transformers', 'safetensors', 'tokenizers', 'peft')))")
+    out = docker("run", "--rm", image, "python", "-c", code).stdout.split()
+    pinned = set((REPO / "docker" / "requirements-cpu.txt").read_text().split())
+    assert len(out) == 4 and set(out) <= pinned, (out, sorted(p for p in pinned if p.startswith(("trans", "peft"))))
+
+
 def test_image_holds_no_credentials(image, test_secrets):
     """The build ran with the test credentials in its environment: no layer, no file has them."""
     history = docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", image).stdout

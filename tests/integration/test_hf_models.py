@@ -1,25 +1,31 @@
-"""A Hugging Face model and its tokenizer on a real S3 API server (moto_server over HTTP): ``model.name: hf``,
-``data.name: text`` and ``task.name: causal_lm`` trained with FSDP at 2 workers on local Ray, then
+"""A Hugging Face model, its tokenizer and a text on a real S3 API server (moto_server over HTTP): the text
+packed into token shards on S3 by ``ray-app data write`` (``data.name: text``), then ``model.name: hf`` and
+``task.name: causal_lm`` trained on the shards (``data.name: shards``) with FSDP at 2 workers on local Ray.
 ``checkpoints export --format hf``: transformers' ``from_pretrained`` of the export, evaluated in this process,
-gives the run's ``eval_loss`` and the same logits as the kit's own model."""
+gives the run's ``eval_loss`` and the same logits as the kit's own model. The same run with one worker
+SIGKILLed mid-epoch resumes from its newest checkpoint and ends on the uninterrupted run's parameters, bit for
+bit."""
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.integration.faultlib import Run, assert_bit_identical, final_model, summary_of
 from tests.integration.s3server import start_s3_server
 from tests.support.hf import python_help_text, tiny_llama, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
-SEQ_LEN, EVAL_FRACTION = 64, 0.1
+SEQ_LEN, EVAL_FRACTION, BATCH, EPOCHS = 64, 0.1, 4, 3
+STEPS_PER_EPOCH = 38  # 299 training sequences of the text's 30,000 characters / 2 workers / 4
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,14 @@ def ray_app(args, env, timeout=600):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.mark.timeout(420)
-def test_an_hf_model_from_s3_trains_under_fsdp_and_its_hf_export_is_the_same_model(s3, tmp_path):
+def committed(s3, run: str) -> dict[int, str]:
+    """step -> URI of each committed checkpoint of ``run`` on S3."""
+    names = {k.split("/")[2] for k in s3.snapshot(f"runs/{run}/ckpt-s") if k.endswith("/manifest.json")}
+    return {int(n[len("ckpt-s"):][:9]): f"s3://{s3.bucket}/runs/{run}/{n}" for n in names}
+
+
+@pytest.mark.timeout(540)
+def test_an_hf_model_from_s3_trains_under_fsdp_and_its_hf_export_is_the_same_model(s3, tmp_path, monkeypatch):
     model_dir = tiny_llama(tmp_path / "model", vocab_size=300, shard="100KB", positions=128)
     tok_dir = train_tokenizer(tmp_path / "tok")
     (tmp_path / "text").mkdir()
@@ -52,18 +64,42 @@ def test_an_hf_model_from_s3_trains_under_fsdp_and_its_hf_export_is_the_same_mod
     text_uri = upload(s3, tmp_path / "text", "text")
     assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) == 2  # read shard by shard
     env = {k: v for k, v in s3.env().items() if k != "RAY_ADDRESS"}
-    storage = f"s3://{s3.bucket}/runs"
-    rc, out, err = ray_app(["train", "--set", f"run.storage={storage}", "--set", "run.name=llama",
-                            "--set", "model.name=hf", "--set", f"model.args.path={model_uri}",
-                            "--set", "data.name=text", "--set", f"data.args.files={text_uri}",
+    for key, value in env.items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)  # the Run's ray-app, and this process's checkpoint reads, reach S3
+    storage, shards_uri = f"s3://{s3.bucket}/runs", f"s3://{s3.bucket}/tokens"
+    rc, out, err = ray_app(["data", "write", shards_uri, "--set", "data.name=text", "--set", f"data.args.files={text_uri}",
                             "--set", f"data.args.tokenizer={tok_uri}", "--set", f"data.args.seq_len={SEQ_LEN}",
-                            "--set", f"data.args.eval_fraction={EVAL_FRACTION}", "--set", "task.name=causal_lm",
-                            "--set", "train.strategy=fsdp", "--set", "train.epochs=1", "--set", "data.batch_size=8",
-                            "--set", "train.optimizer=adamw", "--set", "train.lr=0.003", "--set", "metrics.enabled=false"],
-                           env)
+                            "--set", f"data.args.eval_fraction={EVAL_FRACTION}", "--shard-mb", "0.02"], env)
     assert rc == 0, err[-3000:]
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["world_size"] == 2 and summary["global_step"] > 0
+    assert sum(k.endswith(".parquet") for k in s3.snapshot("tokens")) > 2  # several shards to stream
+    workload = ["--set", f"run.storage={storage}", "--set", "model.name=hf", "--set", f"model.args.path={model_uri}",
+                "--set", "data.name=shards", "--set", f"data.path={shards_uri}", "--set", "task.name=causal_lm",
+                "--set", "train.strategy=fsdp", "--set", f"train.epochs={EPOCHS}", "--set", f"data.batch_size={BATCH}",
+                "--set", "train.optimizer=adamw", "--set", "train.lr=0.003", "--set", "metrics.enabled=false",
+                "--set", "checkpoint.keep=50"]
+    reference = Run(["--set", "run.name=llama", *workload])
+    assert reference.wait() == 0, reference.text[-4000:]
+    summary = summary_of(reference.text)
+    assert summary["world_size"] == 2 and summary["global_step"] == EPOCHS * STEPS_PER_EPOCH, summary
+
+    # a worker SIGKILLed mid-epoch, past the first epoch: resumed from the newest checkpoint, bit-identical
+    run = Run(["--set", "run.name=llama-kill", *workload, "--set", "checkpoint.every_steps=5"])
+    killed_after, deadline = None, time.monotonic() + 240
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        steps = committed(s3, "llama-kill")
+        if any(s > STEPS_PER_EPOCH and s % STEPS_PER_EPOCH for s in steps):
+            killed_after = max(steps)
+            break
+        time.sleep(0.05)
+    workers = run.workers()
+    assert killed_after is not None and len(workers) == 2, (killed_after, run.text[-3000:])
+    workers[-1].send_signal(signal.SIGKILL)
+    assert run.wait() == 0, run.text[-5000:]
+    resumed = summary_of(run.text)
+    assert killed_after <= resumed["resumed_from_step"] < EPOCHS * STEPS_PER_EPOCH, (killed_after, resumed)
+    assert resumed["global_step"] == summary["global_step"] and len(resumed["restarts"]) == 1, resumed
+    assert_bit_identical(final_model(resumed), final_model(summary))
 
     export = tmp_path / "export"
     rc, out, err = ray_app(["checkpoints", "export", f"{storage}/llama", "--format", "hf", "--out", str(export)], env)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +127,7 @@ def stop_marked(marker: str, grace_s: float = 15) -> list[int]:
     import psutil
 
     for _ in range(3):  # a process may start another while the first ones stop
-        procs = [p for p in processes_marked(marker) if p.pid != os.getpid()]
+        procs = [p for p in marked_tree(marker) if p.pid != os.getpid()]
         if not procs:
             return []
         for p in procs:
@@ -136,7 +138,20 @@ def stop_marked(marker: str, grace_s: float = 15) -> list[int]:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         psutil.wait_procs(alive, timeout=grace_s)
-    return [p.pid for p in processes_marked(marker)]
+    return [p.pid for p in marked_tree(marker)]
+
+
+def marked_tree(marker: str) -> list:
+    """The processes carrying ``marker`` and every process under them: Ray's agents (the dashboard agent,
+    the runtime-env agent) and its workers rename themselves, which can blank what ``/proc`` shows of
+    their environment, but they stay the raylet's children."""
+    import psutil
+
+    found = {p.pid: p for p in processes_marked(marker)}
+    for p in list(found.values()):
+        with contextlib.suppress(psutil.Error):
+            found.update({c.pid: c for c in p.children(recursive=True)})
+    return list(found.values())
 
 
 @contextlib.contextmanager
@@ -146,16 +161,27 @@ def token_ray_head(home: Path, gcs: int, dashboard: int, extra_env: dict | None 
     Stopped by its own processes (``stop_marked``), never ``ray stop``, which stops every Ray on the machine."""
     import secrets
 
+    from tests.support.ports import free_port
+
     bin_dir = Path(sys.executable).parent
     marker = secrets.token_hex(8)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))},
            "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), MARKER: marker,
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
+    # free ports for the servers Ray gives fixed defaults: the dashboard agent's HTTP server (the job API's
+    # agent: 52365) and Ray Client's (10001) would be taken by whichever Ray on the machine started first; a
+    # temp dir of its own (short: it holds the sockets), since a job's driver finds its cluster through the
+    # temp dir's `ray_current_cluster`, which the newest `ray start` on the machine writes into /tmp/ray's
+    temp_dir = tempfile.mkdtemp(prefix="ray-head-", dir="/tmp")
     start = [str(bin_dir / "ray"), "start", "--head", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dashboard}", "--disable-usage-stats", "--include-dashboard=true"]
+             f"--dashboard-port={dashboard}", "--disable-usage-stats", "--include-dashboard=true",
+             f"--temp-dir={temp_dir}", f"--dashboard-agent-listen-port={free_port()}",
+             f"--ray-client-server-port={free_port()}"]
     try:
         subprocess.run(start, env=env, check=True, capture_output=True, text=True, timeout=180)
-        yield {"env": env, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
+        yield {"env": env, "marker": marker, "gcs": f"127.0.0.1:{gcs}", "jobs": f"http://127.0.0.1:{dashboard}"}
     finally:
-        left = stop_marked(marker)
+        # 5 s: a raylet whose GCS goes with it waits for the GCS past 15 s of SIGTERM; the head's work is done
+        left = stop_marked(marker, grace_s=5)
         assert not left, f"processes of the test's Ray head still running: {left}"
+        shutil.rmtree(temp_dir, ignore_errors=True)

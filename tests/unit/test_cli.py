@@ -55,6 +55,7 @@ def make_checkpoint(storage_root: Path, run: str = "r1", step: int = 7) -> Path:
     # bf16 weights: lr x weight_decay = 1e-4 < 2^-8 rounds away in each step's decay (tests/unit/test_precision.py)
     (["train.precision=bf16", "train.optimizer=adamw", "train.lr=0.001", "train.weight_decay=0.1"],
      "train.weight_decay"),
+    (["train.peak_tflops=-1"], "train.peak_tflops"),
 ])
 def test_bad_config_exits_2_with_one_line_and_creates_nothing(run_cli, tmp_path, overrides, key):
     args = ["train", "--config", LOCAL_YAML]

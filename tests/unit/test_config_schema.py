@@ -46,8 +46,8 @@ def test_schema_has_every_key_with_type_default_and_help():
         assert sec["additionalProperties"] is False and sec["description"], section
         prop = sec["properties"][name]
         assert prop["default"] == default and help_text.startswith(prop["description"]), key
-        assert prop["type"] == {"int": "integer", "float": "number", "bool": "boolean", "str": "string",
-                                "dict": "object"}[typ], key
+        json_type = {"int": "integer", "float": "number", "bool": "boolean", "str": "string", "dict": "object"}[typ]
+        assert prop["type"] == json_type or json_type in prop["type"], key  # a word or a number: both
     assert sum(len(s["properties"]) for s in schema["properties"].values()) == len(describe_keys())
     assert schema["properties"]["train"]["properties"]["optimizer"]["enum"] == ["sgd", "adamw"]
     assert schema["properties"]["metrics"]["properties"]["port"]["maximum"] == 65535
@@ -77,6 +77,7 @@ def test_every_shipped_and_example_config_is_valid_and_names_the_schema(path):
     ("model:\n  args: [128]\n", "model.args"),                   # args are a mapping
     ("data:\n  num_samples: 10\n", "data.num_samples"),          # moved to data.args
     ("train: 5\n", "train"),
+    ("train:\n  replicate: some\n", "train.replicate"),            # a word that is not auto
 ])
 def test_schema_rejects_what_load_config_rejects(tmp_path, text, key):
     f = tmp_path / "c.yaml"
@@ -91,6 +92,7 @@ def test_schema_rejects_what_load_config_rejects(tmp_path, text, key):
     "train:\nrun: {name: r1}\n",                                         # an empty section
     "train: {lr: 1, warmup_epochs: 2}\nscaling: {cpus_per_worker: 2}\n",  # integers where numbers go
     "{}\n",
+    "train: {strategy: fsdp, replicate: 2}\n", "train: {strategy: fsdp, replicate: auto}\n",  # a number or a word
 ])
 def test_schema_accepts_what_load_config_accepts(tmp_path, text):
     f = tmp_path / "c.yaml"

@@ -260,6 +260,38 @@ def test_runs_list_and_show_read_the_journal_and_the_lease(tmp_path, capsys, mon
 
 
 @pytest.mark.timeout(60)
+def test_runs_show_lists_each_attempts_seconds_from_its_worker_groups_start_to_its_first_step(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """A restart and a preemption: each attempt's own figure (a compile cache kept across restarts shortens the
+    later ones), and the seconds from the failure policy's decision; a first step without the figure (a journal
+    written before it) says it was not recorded."""
+    import signal
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    storage = LocalStorage(str(tmp_path))
+    w = journal.JournalWriter(storage, "r", source="test")
+    took = {"a": 41.25, "b": 6.5}  # seconds from each worker group's start to its first step, as rank 0 measured
+    for e in _events(1000.0, *KILL_PREEMPT_OUTAGE):
+        if e["kind"] == "first_step" and e["attempt"] in took:
+            e["seconds_to_first_step"] = took[e["attempt"]]
+        w.record(e.pop("kind"), **e)
+    assert w.flush(5.0)
+    rc, out, err = _cli(["runs", "show", str(tmp_path / "r")], capsys)
+    assert rc == 0 and err == "", err
+    lines = out.splitlines()
+    assert any(line.endswith("first step: step 51, 6.5 s after the worker group's start") for line in lines), out
+    start = lines.index("seconds to the first step, by attempt (from the worker group's start; after a restart also "
+                        "from its decision):")
+    assert lines[start + 1:] == ["  1. attempt a, first of its launch, from step 0: 41.2 s",
+                                 "  2. attempt b, after a restart, from step 50: 6.5 s (7.0 s after the restart's decision)",
+                                 "  3. attempt c, after a preemption, from step 90: not recorded "
+                                 "(5.0 s after the preemption's decision)"]
+    rc, out, _ = _cli(["runs", "show", str(tmp_path / "r"), "--json"], capsys)
+    assert [(a["attempt"], a["after"], a["seconds_to_first_step"]) for a in json.loads(out)["attempts"]] == [
+        ("a", "first", 41.25), ("b", "restart", 6.5), ("c", "preemption", None)]
+
+
+@pytest.mark.timeout(60)
 def test_runs_show_names_each_unreadable_journal_file_and_runs_list_agrees(tmp_path, capsys, monkeypatch):
     """A journal file cut short (not JSON) and one that is JSON but no event: ``runs show`` names each in one
     line and leaves it out; ``runs list`` counts the readable events and says how many are not."""

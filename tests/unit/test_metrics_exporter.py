@@ -118,6 +118,25 @@ def test_values_follow_the_calls(exporter):
                                       ("version", __version__)))]
 
 
+def test_tokens_per_second_and_mfu_are_gauges_nan_until_the_loop_has_them():
+    """A token task's tokens/s and, once FLOPs are counted against a known peak, MFU: a gap before (and for a task
+    that counts samples), never a fake 0."""
+    m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
+    m.start(run="r", model="hf", dataset="text", task="causal_lm", version=__version__, world_size=2, resumed_from_step=0)
+    try:
+        before = sample_values(scrape(m.serving_port))
+        assert math.isnan(before[("ray_app_tokens_per_second", ())]) and math.isnan(before[("ray_app_mfu", ())])
+        m.on_progress(epoch=0, global_step=20, lr=0.01, train_loss=2.5, samples=64, samples_per_second=32.0)
+        assert math.isnan(sample_values(scrape(m.serving_port))[("ray_app_mfu", ())])
+        m.on_progress(epoch=0, global_step=40, lr=0.01, train_loss=2.4, samples=64, samples_per_second=32.0,
+                      tokens=64 * 511, tokens_per_second=32.0 * 511, mfu=0.4125)
+        values = sample_values(scrape(m.serving_port))
+        assert values[("ray_app_tokens_per_second", ())] == 32.0 * 511 and values[("ray_app_mfu", ())] == 0.4125
+        assert values[("ray_app_samples_per_second", ())] == 32.0
+    finally:
+        m.close()
+
+
 def test_eval_gauges_are_nan_until_the_first_eval():
     m = PrometheusMetrics(port=free_port(), bind="127.0.0.1")
     m.start(run="r", model="mlp", dataset="digits", task="classification", version=__version__, world_size=2, resumed_from_step=0)
