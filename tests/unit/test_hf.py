@@ -124,6 +124,14 @@ def test_a_bad_folder_ends_ray_app_train_before_ray_with_exit_2(run_cli, tmp_pat
     assert "Traceback" not in err and "Ray" not in err.replace("ray-app", "")
 
 
+def _recorded(read_range_into, reads: list):
+    """``read_range_into`` that notes where each read lands (address, bytes)."""
+    def recorded(rel, start, out):
+        reads.append((out.ctypes.data, out.nbytes))
+        return read_range_into(rel, start, out)
+    return recorded
+
+
 def test_weights_go_straight_into_the_parameters_in_pieces_from_a_folder_and_from_s3(tmp_path, s3, monkeypatch):
     import ray_app.shared.hf as hf
     from ray_app.worker.pretrained import load_pretrained
@@ -140,9 +148,7 @@ def test_weights_go_straight_into_the_parameters_in_pieces_from_a_folder_and_fro
         for dtype in ("float32", "bfloat16"):
             model = hf.pretrained(path, dtype=dtype)
             storage, reads = model.ray_app_weights.storage, []
-            read_range_into = storage.read_range_into
-            monkeypatch.setattr(storage, "read_range_into", lambda rel, start, out: (
-                reads.append((out.ctypes.data, out.nbytes)), read_range_into(rel, start, out))[1])
+            monkeypatch.setattr(storage, "read_range_into", _recorded(storage.read_range_into, reads))
             load_pretrained(model, torch.device("cpu"))
             assert reads and max(n for _, n in reads) <= 1000, (path, dtype)
             if dtype == "float32":  # each piece lands in a parameter's own storage, no buffer between
