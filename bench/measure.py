@@ -43,7 +43,8 @@ def free_port() -> int:
 class Spec:
     """One process to measure. ``overrides`` are ``--set`` values shared by the kit and the twin."""
 
-    kind: str  # "kit", "twin", "script" (the twin under `ray-app run`: script mode) or "ray" (bench/ray_alone.py)
+    kind: str  # "kit", "twin", "script" (the twin under `ray-app run`: script mode), "ray" (bench/ray_alone.py) or
+    #            "loop" (the kit's own loop without Ray under torchrun: bench/loop_alone.py)
     overrides: tuple[str, ...]
     workers: int = 2
     launch: str = "cold"  # kit: "cold" (ray-app train starts its own Ray) or "warm" (ray job submit)
@@ -374,6 +375,14 @@ def twin_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
     return argv, env
 
 
+def loop_command(spec: Spec, d: Path) -> tuple[list[str], dict]:
+    """The kit's own loop without Ray (bench/loop_alone.py) under torchrun, one thread a rank as the twin."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(REPO / "bench" / "loop_alone.py"), "--config", str(CONFIG), *_sets(spec.overrides),
+            "--out", str(d / "loop.jsonl")]
+    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(spec.workers), *args], env
+
+
 # ---------------------------------------------------------------- killing a worker
 
 def _is_rank0(p: psutil.Process, port: int | None) -> bool:
@@ -457,7 +466,8 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         argv, run_uri = [str(BIN / "python"), "bench/ray_alone.py", "--workers", str(spec.workers)], ""
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TRAIN_V2_ENABLED": "1"}
     else:
-        (argv, env), run_uri = (script_command if spec.kind == "script" else twin_command)(spec, d), ""
+        command = {"script": script_command, "loop": loop_command}.get(spec.kind, twin_command)
+        (argv, env), run_uri = command(spec, d), ""
     load1 = os.getloadavg()[0]
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -505,7 +515,7 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
     elif spec.kind == "ray":
         _ray_alone_figures(result, recorder, t0)
     else:
-        _twin_figures(result, d, recorder, t0, t_kill)
+        _twin_figures(result, d, recorder, t0, t_kill, "loop.jsonl" if spec.kind == "loop" else "twin.jsonl")
     if t_kill is None and spec.kill:
         result["recovery_s"] = None
     if sampler:
@@ -611,21 +621,23 @@ def _ray_alone_figures(res, recorder, t0) -> None:
     res["breakdown"] = {k: v for k, v in phases.items() if isinstance(v, (int, float)) and k != "train_fn_unix"}
 
 
-def _twin_figures(res, d, recorder, t0, t_kill) -> None:
+def _twin_figures(res, d, recorder, t0, t_kill, jsonl: str = "twin.jsonl") -> None:
+    """The twin's figures (and those of the kit's loop alone, ``loop.jsonl``: the same shape)."""
     lines = []
     try:
-        lines = [json.loads(x) for x in (d / "twin.jsonl").read_text().splitlines() if x.strip()]
+        lines = [json.loads(x) for x in (d / jsonl).read_text().splitlines() if x.strip()]
     except (OSError, ValueError):
         pass
     rows = parse.progress_lines(recorder.text())
     res["losses"] = parse.loss_trace(rows)
     first = lines[0] if lines else {}
     res["summary"] = first
-    res["steady_sps"], res["steady_source"] = first.get("steady_samples_per_second"), "twin (in process)"
+    source = ("twin" if jsonl == "twin.jsonl" else "loop_alone") + " (in process)"
+    res["steady_sps"], res["steady_source"] = first.get("steady_samples_per_second"), source
     res["steady_step_sps"] = first.get("steady_step_samples_per_second")
     fs = res["first_step_unix"] = first.get("first_step_unix")
     res["first_step_s"] = round(fs - t0, 3) if fs else None
-    res["first_step_source"] = "twin (in process)" if fs else None
+    res["first_step_source"] = source if fs else None
     stamps = dict(first.get("stamps", {}), t0=t0)
     res["breakdown"] = parse.phases(stamps, parse.TWIN_PHASES)
     if t_kill:

@@ -58,6 +58,11 @@ METHOD = """\
   `run.storage` on the same server, so only the data source differs (and with it the epoch's order: the
   losses are not compared). Figure: the median of the per-round ratios of steady samples/s; the CPU sampler
   follows both runs' process trees and the S3 server.
+- **A Hugging Face language model** (l, `--cases l`): `bench/lm.py`'s Llama-architecture model and text
+  (`model.name=hf`, `data.name=text`, `task.name=causal_lm`, `train.strategy=fsdp`); the twin loads the same
+  folder with `from_pretrained` and writes the causal-LM loss out; "loop" is the kit's own `build_parts` and
+  `Trainer` without Ray under `torchrun` (`bench/loop_alone.py`). Tokens/s = steady samples/s x the target
+  tokens of a sequence (`seq_len - 1`; every training sequence is full).
 - **Scaling**: the 1-worker runs stop after 48 optimizer steps (`train.max_steps`; same per-worker batch).
 - Medians over the rounds; each round runs every case once, its variants in turn, in reverse order on every
   other round (A B, B A, ...). The machine is shared: the 1-minute load average at each run's start is in the

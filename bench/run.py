@@ -18,9 +18,12 @@ same samples map-style from memory; (v, not in the default set) start-up experim
 with bench/variants.py; (z) FSDP: the kit with `train.strategy=fsdp` vs the twin's plain FSDP2 on workload
 (b), steady samples/s; (m, not in the default set) the speed switches, each on vs off on workload (a) in one
 epoch (resnet18's BasicBlocks the blocks): train.precision=bf16-mixed, train.activation_checkpointing=full,
-train.compile=true, steady samples/s and, for compile, the time to first step. ``--gpu`` (bench/gpu.sh):
-(a), (c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in order (kit, twin,
-kit, twin, ...), so drift in the machine's load hits both sides.
+train.compile=true, steady samples/s and, for compile, the time to first step; (l, not in the default set) a
+Hugging Face language model under FSDP: `model.name=hf`, `data.name=text`, `task.name=causal_lm` (bench/lm.py's
+Llama-architecture model) vs the twin loading the same folder with `from_pretrained`, and the kit's own loop
+without Ray under torchrun (bench/loop_alone.py) vs the twin, steady tokens/s. ``--gpu`` (bench/gpu.sh): (a),
+(c), (d) on one GPU, bf16, with MFU. Each round runs every case's processes once, in order (kit, twin, kit,
+twin, ...), so drift in the machine's load hits both sides.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import lm as bench_lm  # noqa: E402
 from bench import measure, parse, report  # noqa: E402
 from bench.measure import Spec  # noqa: E402
 
@@ -55,6 +59,10 @@ def results_json_path(out: Path) -> Path:
 # ---------------------------------------------------------------- workloads (--set values, kit and twin alike)
 
 _COMMON = ("data.name=synthetic", "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
+# case (l): bench/lm.py's model, tokenizer and text (model.name=hf, data.name=text, task.name=causal_lm) under FSDP,
+# AdamW; batches of sequences of data.args.seq_len tokens
+_LM = ("train.strategy=fsdp", "train.optimizer=adamw", "train.lr=0.001", "train.weight_decay=0.0",
+       "train.warmup_epochs=0", "checkpoint.every_epochs=0", "checkpoint.every_steps=0")
 WORKLOADS = {
     "full": {
         # cases (a), (b), (f), (g), (p), (r), (s): long enough that the steady state outweighs the first steps
@@ -74,6 +82,8 @@ WORKLOADS = {
         "one_worker_steps": 48,  # (f) with 1 worker: same per-step work, capped (an epoch has twice the steps)
         # (h): workload (a)'s 4096 samples of 12 KB (50 MB) in 1 MB shards: 50 train shards, about 25 a rank an epoch
         "shard_mb": 1.0,
+        # (l): about 1,000 sequences of 128 tokens, 8 a rank a step: about 60 steps an epoch
+        "lm": (*bench_lm.overrides("full"), *_LM, "data.batch_size=8", "train.epochs=2", "train.log_every_steps=5"),
     },
     # smoke: 4 kit processes and 3 twins cover every case (the numbers are not judged)
     "smoke": {
@@ -82,6 +92,7 @@ WORKLOADS = {
         "comm": (*_COMMON, "model.name=wide_mlp", "data.args.image_size=8", "data.args.num_samples=256",
                  "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2"),
         "shard_mb": 0.05,  # (h): 512 samples of 768 bytes in 8 train shards
+        "lm": (*bench_lm.overrides("smoke"), *_LM, "data.batch_size=4", "train.epochs=1", "train.log_every_steps=2"),
     },
     # bench/gpu.sh: one GPU, one worker, bf16; resnet50 at 128 px (7.9 GFLOP per sample, forward + backward)
     "gpu": {
@@ -123,6 +134,7 @@ class Plan:
         w = WORKLOADS[size]
         self.smoke, self.gpu = size == "smoke", size == "gpu"
         self.shard_sets: dict[str, tuple[tuple[str, ...], str, float]] = {}  # case -> (--set, DEST, --shard-mb)
+        self.lm_size = size  # case (l): which of bench/lm.py's folders its runs read (made before the first run)
         if self.gpu:
             self._gpu_specs(w)
             return
@@ -198,6 +210,9 @@ class Plan:
         # step, out of the steady window: a compiled model compiles again for it)
         one_epoch = w["compute"] + ("train.epochs=1",)
         self.specs["m"] = {"off": kit(one_epoch), **{name: kit(one_epoch + o) for name, o in SPEED_SWITCHES.items()}}
+        # a Hugging Face language model under FSDP (not in the default cases: `--cases l`): the kit, the twin, and
+        # the kit's own loop without Ray under torchrun
+        self.specs["l"] = {"kit": kit(w["lm"]), "twin": twin(w["lm"]), "loop": Spec("loop", w["lm"])}
 
     def _smoke_specs(self, w: dict) -> None:
         """Few processes, each serving several cases; they run concurrently (see Runner.jobs)."""
@@ -225,6 +240,8 @@ class Plan:
                       "r": {"a on": k3, "a off": Spec("kit", k3.overrides + ("metrics.rank_pace=false",),
                                                       launch="warm")}}
         self.specs["z"] = {"kit": Spec("kit", w["comm"] + FSDP, launch="warm"), "twin": Spec("twin", w["comm"] + FSDP)}
+        self.specs["l"] = {"kit": Spec("kit", w["lm"], launch="warm"), "twin": Spec("twin", w["lm"]),
+                           "loop": Spec("loop", w["lm"])}
         self.specs["j"] = {"a on": k2, "a off": replace(k2, variant="no-journal")}  # a variant runs cold
 
     def _gpu_specs(self, w: dict) -> None:
@@ -294,6 +311,10 @@ class Runner:
 
                 self.ctx.s3 = start_s3_server(self.ctx.workdir / "moto.log")
                 self._write_shards()
+            if "l" in self.cases:
+                t = time.time()
+                made = bench_lm.make(self.plan.lm_size)
+                self.log(f"[bench] case (l): model, tokenizer and text written to {made} in {time.time() - t:.0f}s")
             if self.plan.smoke and self.needs(lambda s: s.launch == "warm"):
                 self._cluster_up()
         except BaseException:
@@ -787,6 +808,33 @@ CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),
              "j": rows_j,
              "t": rows_t, "v": rows_v, "m": rows_m}
 CASE_ROWS["z"] = _throughput("z", "FSDP (train.strategy=fsdp, wide_mlp; twin: plain fully_shard)", 0.97)
+
+
+def rows_l(r: Runner) -> list[dict]:
+    """A Hugging Face language model under FSDP: steady target tokens/s (samples/s x the target tokens of a
+    sequence: every training sequence is full) of the kit and of its own loop without Ray, each against the twin."""
+    tokens = bench_lm.target_tokens_per_sample(r.plan.lm_size)
+    kit, twin, loop = r.runs("l", "kit"), r.runs("l", "twin"), r.runs("l", "loop")
+    t = med(twin, twin_rate_key(kit))
+    out = []
+    for runs, what, limit in ((kit, "the kit (ray-app train) / twin", 0.97),
+                              (loop, "the kit's loop without Ray, under torchrun / twin", 0.98)):
+        k = med(runs, "steady_sps")
+        q = parse.ratio(k, t)
+        same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(runs, twin)]
+        note = (f"{tokens} target tokens a sequence; same losses as the twin: "
+                + ("yes" if same and all(same) else "NO" if False in same else "n/a"))
+        note += "; " + paired(runs, twin, "steady_sps", twin_rate_key(kit))
+        out.append(_row("l", f"Hugging Face LM under FSDP (model.name=hf, causal_lm, text), steady tokens/s, {what}",
+                        k * tokens if k is not None else None, t * tokens if t is not None else None, q,
+                        f">= {limit}", q is not None and q >= limit, note))
+    kw, tw = med(kit, "wall_s"), med(twin, "wall_s")
+    out.append(_row("l", "the same runs, wall clock from start to exit, kit / twin (s)", kw, tw, parse.ratio(kw, tw),
+                    "reported", kw is not None))
+    return out
+
+
+CASE_ROWS["l"] = rows_l
 
 
 # ---------------------------------------------------------------- well-formedness (smoke)

@@ -17,7 +17,12 @@ plain FSDP2 instead: ``torch.distributed.fsdp.fully_shard`` on each of the units
 (``ray_app.worker.strategy.shard_units``, a pure function of the model and ``train.fsdp_units``), then on
 the root, with ``train.reshard_after_forward`` and, with ``train.precision=bf16-mixed``, bf16 parameters
 and fp32 gradient reduction (the root's outputs in fp32); under DDP bf16-mixed is bf16 autocast, and
-``train.precision=bf16`` casts the model to bf16 and autocasts, as the kit does. ``train.grad_accum`` micro-steps accumulate locally (DDP's ``no_sync``,
+``train.precision=bf16`` casts the model to bf16 and autocasts, as the kit does. A Hugging Face model
+(``model.name=hf``) is loaded by transformers itself (``AutoModelForCausalLM.from_pretrained`` of the same
+folder) and trained with ``task.name=causal_lm``'s loss written out here: cross-entropy of each next token (the
+labels shifted by one, ``-100`` and padding no target), the mean over the micro-batch's target tokens, logged
+weighted by their number; its evaluation is the loss over every target token of the distinct eval samples.
+``train.grad_accum`` micro-steps accumulate locally (DDP's ``no_sync``,
 FSDP2's ``set_requires_gradient_sync(False)``) and sync on the last. Kit-only keys
 (checkpoint.*, metrics.*, failure.*) are ignored; with ``--ckpt-dir`` it saves
 ``torch.save`` checkpoints and resumes from them (for the recovery case, under
@@ -57,6 +62,7 @@ from ray_app.worker.parts import build_optimizer  # noqa: E402
 from ray_app.worker.strategy import shard_units  # noqa: E402  (pure: which sub-modules are FSDP units)
 
 T_IMPORTS = time.time()
+IGNORE = -100  # a label that is no target (causal_lm: a prompt's tokens, padding)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -127,7 +133,8 @@ class Twin:
         train_set, eval_set, info = build_data(cfg)
         self.stamps["data"] = time.time()
         seed_everything(cfg.run.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
-        model = build_model(cfg, info).to(self.device)
+        self.lm = cfg.task.name == "causal_lm"
+        model = (from_pretrained(cfg) if cfg.model.name == "hf" else build_model(cfg, info)).to(self.device)
         if cfg.train.precision == "bf16":
             model = model.to(torch.bfloat16)
         self.fsdp = cfg.train.strategy == "fsdp"
@@ -213,6 +220,25 @@ class Twin:
         if self.distributed:
             dist.barrier()  # sync point: nobody runs ahead of a checkpoint that may be needed
 
+    # ---------------------------------------------------------------- the loss
+    def token_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """causal_lm: each target token's loss [B, T-1] (0 where none) and whether it is a target."""
+        ids, labels, mask = (batch[k].to(self.device, non_blocking=True) for k in ("input_ids", "labels", "attention_mask"))
+        logits = self.model(ids, attention_mask=mask).logits
+        targets = labels.masked_fill(mask == 0, IGNORE)[:, 1:]  # position t predicts token t + 1
+        per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none",
+                                    ignore_index=IGNORE).view(targets.shape)
+        return per_token, targets != IGNORE
+
+    def batch_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """The micro-batch's mean loss and what it averages over: samples, or (causal_lm) target tokens."""
+        if self.lm:
+            per_token, counted = self.token_losses(batch)
+            n = counted.sum()
+            return per_token.sum() / n.clamp(min=1), n
+        x, y = batch[0].to(self.device, non_blocking=True), batch[1].to(self.device, non_blocking=True)
+        return F.cross_entropy(self.model(x), y), y.shape[0]
+
     # ---------------------------------------------------------------- collectives
     def global_mean(self, loss_sum: torch.Tensor, count: torch.Tensor) -> float:
         t = torch.stack([loss_sum.double(), count.double()])
@@ -222,6 +248,8 @@ class Twin:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        if self.lm:
+            return self.evaluate_lm()
         self.model.eval()
         rows = []
         for x, y in self.eval_loader:
@@ -243,6 +271,27 @@ class Twin:
         return {"eval_accuracy": (keep[:, 1] == keep[:, 2]).double().mean().item(),
                 "eval_loss": keep[:, 3].mean().item(), "num_samples": int(keep.shape[0])}
 
+    @torch.no_grad()
+    def evaluate_lm(self) -> dict:
+        """causal_lm: the loss over every target token of the distinct eval samples (and its exp)."""
+        self.model.eval()
+        rows = []
+        for batch in self.eval_loader:
+            per_token, counted = self.token_losses(batch)
+            rows.append(torch.stack([per_token.double().sum(1), counted.double().sum(1)], 1))
+        local = torch.cat([self.eval_indices.to(self.device).double().unsqueeze(1), torch.cat(rows)], 1)
+        gathered = [torch.empty_like(local) for _ in range(self.world)]
+        if self.distributed:
+            dist.all_gather(gathered, local)  # sync point: every rank's sums
+        else:
+            gathered = [local]
+        allrows = torch.cat(gathered).cpu()
+        _, first = np.unique(allrows[:, 0].numpy(), return_index=True)  # drop the sampler's padding
+        keep = allrows[torch.from_numpy(np.sort(first))]
+        self.model.train()
+        loss = (keep[:, 1].sum() / keep[:, 2].sum()).item()
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "num_samples": int(keep.shape[0])}
+
     # ---------------------------------------------------------------- training
     def done(self) -> bool:
         return bool(self.cfg.train.max_steps) and self.step >= self.cfg.train.max_steps
@@ -258,19 +307,18 @@ class Twin:
         self.epoch_count = torch.zeros((), device=self.device)
         step_t0 = time.perf_counter()
         accum = cfg.train.grad_accum
-        for x, y in self.loader:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for batch in self.loader:
             b = self.batches_done
             group_size = min(accum, self.batches_per_epoch - (b - b % accum))
             last_micro = b % accum + 1 == group_size
             with contextlib.nullcontext() if last_micro else self.no_sync():
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                    loss = F.cross_entropy(self.model(x), y)
+                    loss, n = self.batch_loss(batch)
                 # DDP all-reduces gradient buckets during backward, FSDP reduce-scatters each unit's
                 (loss / group_size).backward()
             self.batches_done += 1
-            loss_sum += loss.detach() * y.shape[0]
-            count += y.shape[0]
+            loss_sum += loss.detach() * n
+            count += n
             if not last_micro:
                 continue
             if cfg.train.clip_grad_norm:
@@ -323,6 +371,15 @@ class Twin:
                 "train_seconds": time.perf_counter() - t_start, "first_step_unix": self.first_step_unix,
                 **self.steady.figures(),
                 "stamps": self.stamps}
+
+
+def from_pretrained(cfg):
+    """``model.name=hf``'s folder as transformers loads it (a local folder: the bench's)."""
+    from transformers import AutoModelForCausalLM
+
+    args = cfg.model.args
+    return AutoModelForCausalLM.from_pretrained(args["path"], dtype=getattr(torch, args.get("dtype", "float32")),
+                                                trust_remote_code=args.get("trust_remote_code", False))
 
 
 class _FsdpNoSync:

@@ -12,8 +12,9 @@ The life of the weights, so that no rank ever holds the whole model under FSDP:
    ``PretrainedWeights``.
 2. The strategy shards it (FSDP) or leaves it whole (DDP); ``ray_app.worker.pretrained`` then gives each rank
    storage for the parameters it holds and reads into it only those tensors, or rows of tensors, from the
-   safetensors files: by byte range, from a local file or from S3 (a ranged GET), never a whole file copied.
-   Tied weights stay tied.
+   safetensors files: by byte range, from a local file or from S3 (a ranged GET), never a whole file copied,
+   the bytes going straight into the parameter's storage (no copy of a tensor held beside it). Tied weights
+   stay tied.
 
 ``check_pretrained`` runs before Ray starts (the driver): a path without ``config.json``, a shard the index
 names that is missing, an unknown ``dtype`` and a config that needs remote code without
@@ -23,10 +24,10 @@ names that is missing, an unknown ``dtype`` and a config that needs remote code 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 
 from ray_app.shared.errors import ConfigError
@@ -36,6 +37,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DTYPES = ("float32", "bfloat16", "float16")
 KEY = "model.args.path"
+READ_PIECE = 32 << 20  # bytes of a tensor one ranged read fetches (a GET on S3) at most
 
 
 def _storage(path: str, retry_s: float):
@@ -114,8 +116,8 @@ def read_header(storage, rel: str) -> dict[str, dict]:
 
 @dataclass
 class PretrainedWeights:
-    """Where a model's weights are and how to read a piece of one: ``read(name, rows)`` returns the tensor
-    ``name`` (rows ``rows.start:rows.stop`` of its first dimension, or all of it), in the file's dtype."""
+    """Where a model's weights are and how to read a piece of one: ``read_into(name, out, rows)`` fills ``out``
+    with the tensor ``name`` (rows ``rows.start:rows.stop`` of its first dimension, or all of it)."""
 
     path: str
     retry_s: float = 0.0
@@ -136,23 +138,41 @@ class PretrainedWeights:
     def shape(self, name: str) -> list[int]:
         return list(self.header(name)["shape"])
 
-    def read(self, name: str, rows: slice | None = None):
+    def read_into(self, name: str, out, rows: slice | None = None) -> int:
+        """Fill ``out`` with the tensor ``name`` (rows ``rows.start:rows.stop`` of its first dimension, or all of
+        it), converted to ``out``'s dtype; returns the bytes read. The bytes go by ranged reads of at most
+        ``READ_PIECE`` straight into ``out``'s storage: a rank holds no copy of what it reads (a 500 MB
+        embedding's rows would otherwise be held twice); only one piece on the host when ``out`` is of another
+        dtype than the file's or on a GPU."""
         import torch
 
         entry = self.header(name)
         shape, dtype = list(entry["shape"]), torch_dtype(entry["dtype"])
-        begin, end = entry["data_offsets"]
         itemsize = torch.empty((), dtype=dtype).element_size()
+        start = entry["__data_start__"] + entry["data_offsets"][0]
         if rows is not None and shape:
-            row_bytes = itemsize * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
-            begin, end = begin + rows.start * row_bytes, begin + rows.stop * row_bytes
+            start += rows.start * itemsize * math.prod(shape[1:])
             shape[0] = rows.stop - rows.start
-        raw = self.storage.read_range(self.files[name], entry["__data_start__"] + begin, end - begin)
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():  # read-only bytes: the tensor is only copied from, never written
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(raw, dtype=dtype).reshape(shape)
+        if tuple(out.shape) != tuple(shape):
+            raise ConfigError(f"config key {KEY}: a tensor of shape {tuple(shape)} where the model has "
+                              f"{tuple(out.shape)}; the weights are not this config's")
+        whole = out.detach()
+        flat = whole.view(-1) if whole.is_contiguous() else torch.empty(shape, dtype=out.dtype, device=out.device).view(-1)
+        per_piece = max(1, READ_PIECE // itemsize)
+        direct = flat.dtype == dtype and flat.device.type == "cpu"  # else through a piece on the host
+        staging = None if direct else torch.empty(min(per_piece, flat.numel()), dtype=dtype)
+        for at in range(0, flat.numel(), per_piece):
+            count = min(per_piece, flat.numel() - at)
+            into = flat[at:at + count] if staging is None else staging[:count]
+            got = self.storage.read_range_into(self.files[name], start + at * itemsize, into.view(torch.uint8).numpy())
+            if got != count * itemsize:
+                raise ConfigError(f"config key {KEY}: {self.path}/{self.files[name]} ends inside tensor {name!r}; "
+                                  "the file is cut short: copy it again from where save_pretrained wrote it")
+            if staging is not None:
+                flat[at:at + count].copy_(into)
+        if not whole.is_contiguous():  # read into a contiguous stand-in above
+            whole.copy_(flat.view(shape))
+        return flat.numel() * itemsize
 
 
 def torch_dtype(name: str):

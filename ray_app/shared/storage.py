@@ -76,6 +76,17 @@ class LocalStorage:
             f.seek(start)
             return f.read(length)
 
+    def read_range_into(self, rel: str, start: int, out) -> int:
+        """Bytes of a file from byte ``start`` straight into the writable buffer ``out`` (no copy between),
+        until it is full or the file ends; returns how many."""
+        view = memoryview(out).cast("B")
+        done = 0
+        with open(self._p(rel), "rb") as f:
+            f.seek(start)
+            while done < len(view) and (n := f.readinto(view[done:])):
+                done += n
+        return done
+
     def read_into(self, rel: str, out) -> None:
         """Copy a file into the binary file ``out`` (from its start), a chunk at a time: memory stays bounded."""
         out.seek(0)
@@ -254,6 +265,23 @@ class S3Storage:
             return b""
         return self._retry(f"reading {rel}", lambda: self.client.get_object(
             Bucket=self.settings.bucket, Key=self._key(rel), Range=f"bytes={start}-{start + length - 1}")["Body"].read())
+
+    def read_range_into(self, rel: str, start: int, out) -> int:
+        """Bytes of an object from byte ``start`` into the writable buffer ``out`` (one ranged GET of its size,
+        streamed in a chunk at a time), until it is full or the object ends; returns how many. A transient error
+        reads the range again, within the retry budget."""
+        view = memoryview(out).cast("B")
+        return self._retry(f"reading {rel}", self._read_range_into, rel, start, view) if len(view) else 0
+
+    def _read_range_into(self, rel: str, start: int, view: memoryview) -> int:
+        body = self.client.get_object(Bucket=self.settings.bucket, Key=self._key(rel),
+                                      Range=f"bytes={start}-{start + len(view) - 1}")["Body"]
+        done = 0
+        for chunk in body.iter_chunks(READ_CHUNK):
+            chunk = chunk[:len(view) - done]
+            view[done:done + len(chunk)] = chunk
+            done += len(chunk)
+        return done
 
     def read_into(self, rel: str, out) -> None:
         """Copy an object into the binary file ``out`` a chunk at a time (memory stays bounded); a transient

@@ -5,8 +5,9 @@ The model arrives with its parameters on the meta device. After the strategy has
 parameter a DTensor whose local piece is a run of rows of the whole) or left it whole (DDP), ``load_pretrained``
 gives every parameter real storage on the device (``to_empty``), puts back the buffers the model computed when
 it was made (``to_empty`` would leave them empty), ties the tied weights again, and fills each local piece
-with those rows of the tensor, read by byte range from the safetensors file. Under FSDP at N ranks a rank
-reads about 1/N of the weights and never holds the rest; under DDP every rank reads them all (it holds them all).
+with those rows of the tensor, read by byte range from the safetensors file straight into it. Under FSDP at N
+ranks a rank reads about 1/N of the weights and never holds the rest; under DDP every rank reads them all (it
+holds them all).
 A LoRA model (``ray_app.worker.lora``): its base tensors are read under the files' names, its adapters filled
 with the initial values made before sharding.
 """
@@ -78,10 +79,10 @@ def load_pretrained(module: torch.nn.Module, device: torch.device) -> int:
                 _fill(p, adapters[name] if rows is None else adapters[name][rows])
                 continue
             src = _source_name(weights, names_of[name])
-            read += _fill(p, weights.read(src, local_rows(p)))
+            read += weights.read_into(src, _local(p), local_rows(p))
         for name, b in module.named_buffers():
             if file_name(name) in weights.files:
-                read += _fill(b, weights.read(file_name(name)))
+                read += weights.read_into(file_name(name), b)
     _tie_again(module, aliases)
     del module.ray_app_weights
     if adapters:
@@ -89,13 +90,13 @@ def load_pretrained(module: torch.nn.Module, device: torch.device) -> int:
     return read
 
 
-def _fill(target: torch.Tensor, value: torch.Tensor) -> int:
-    local = target.to_local() if hasattr(target, "to_local") else target
-    if tuple(local.shape) != tuple(value.shape):
-        raise ConfigError(f"config key model.args.path: a tensor of shape {tuple(value.shape)} where the model "
-                          f"has {tuple(local.shape)}; the weights are not this config's")
-    local.copy_(value)
-    return value.numel() * value.element_size()
+def _local(target: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``target`` (a DTensor's local tensor, which shares its storage), or ``target``."""
+    return target.to_local() if hasattr(target, "to_local") else target
+
+
+def _fill(target: torch.Tensor, value: torch.Tensor) -> None:
+    _local(target).copy_(value)
 
 
 def _tie_again(module: torch.nn.Module, aliases: dict[int, list[str]]) -> None:

@@ -343,3 +343,30 @@ def test_case_j_turns_the_journal_off_only_and_reports_the_median_round_cost(tmp
     a, b = rows_j(runner)
     assert a["ratio"] == pytest.approx(0.01) and not a["ok"] and a["target"] == "<= 0.005"
     assert b["ratio"] == pytest.approx(0.0) and b["ok"] and "the run journal on vs off" in b["metric"]
+
+
+def test_case_l_runs_one_language_model_workload_three_ways_and_reports_target_tokens_per_second(tmp_path):
+    """(l): the kit, the twin and the kit's loop alone get the same --set values (a Hugging Face model under FSDP,
+    text, causal_lm); each row is steady samples/s x the target tokens of a sequence (seq_len - 1), over the twin's."""
+    from bench import lm
+    from bench.run import Plan, Runner, rows_l
+
+    for size in ("full", "smoke"):
+        l_specs = Plan(size, ("kit",)).specs["l"]
+        assert {s.kind for s in l_specs.values()} == {"kit", "twin", "loop"}
+        assert len({s.overrides for s in l_specs.values()}) == 1
+        kit = l_specs["kit"]
+        assert (kit.value("model.name"), kit.value("task.name"), kit.value("data.name"),
+                kit.value("train.strategy")) == ("hf", "causal_lm", "text", "fsdp")
+        assert kit.value("model.args.path") == str(lm.folder(size) / "model")
+        assert int(kit.value("data.args.seq_len")) - 1 == lm.target_tokens_per_sample(size)
+    runner = Runner(Plan("full", ("kit",)), ["l"], 3, tmp_path)
+    sps = {"kit": (90.0, 80.0, 85.0), "twin": (100.0, 100.0, 100.0), "loop": (99.0, 101.0, 100.0)}
+    for rnd in range(3):
+        for spec, label in runner.schedule(rnd).items():
+            runner.results[(spec, rnd)] = _fake_run(label, sps[label.split("/")[1].split(" round")[0]][rnd])
+    kit, loop, wall = rows_l(runner)
+    assert (kit["kit"], kit["ref"], kit["ratio"]) == (85.0 * 127, 100.0 * 127, 0.85) and not kit["ok"]
+    assert "per round 0.900, 0.800, 0.850" in kit["note"] and kit["target"] == ">= 0.97"
+    assert (loop["kit"], loop["ratio"], loop["ok"], loop["target"]) == (100.0 * 127, 1.0, True, ">= 0.98")
+    assert wall["ratio"] == 1.0

@@ -122,3 +122,43 @@ def test_a_bad_folder_ends_ray_app_train_before_ray_with_exit_2(run_cli, tmp_pat
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert lines[-1].startswith("ray-app: error: config key model.args.path:") and "no config.json" in lines[-1]
     assert "Traceback" not in err and "Ray" not in err.replace("ray-app", "")
+
+
+def _recorded(read_range_into, reads: list):
+    """``read_range_into`` that notes where each read lands (address, bytes)."""
+    def recorded(rel, start, out):
+        reads.append((out.ctypes.data, out.nbytes))
+        return read_range_into(rel, start, out)
+    return recorded
+
+
+def test_weights_go_straight_into_the_parameters_in_pieces_from_a_folder_and_from_s3(tmp_path, s3, monkeypatch):
+    import ray_app.shared.hf as hf
+    from ray_app.worker.pretrained import load_pretrained
+
+    folder = tiny_llama(tmp_path / "one", vocab_size=97, tied=False, layers=2)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    for f in folder.iterdir():
+        s3.client().upload_file(str(f), s3.bucket, f"models/one/{f.name}")
+    for key, value in s3.env().items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(hf, "READ_PIECE", 1000)  # several pieces per tensor, cut mid-row
+    for path in (str(folder), f"s3://{s3.bucket}/models/one"):
+        for dtype in ("float32", "bfloat16"):
+            model = hf.pretrained(path, dtype=dtype)
+            storage, reads = model.ray_app_weights.storage, []
+            monkeypatch.setattr(storage, "read_range_into", _recorded(storage.read_range_into, reads))
+            load_pretrained(model, torch.device("cpu"))
+            assert reads and max(n for _, n in reads) <= 1000, (path, dtype)
+            if dtype == "float32":  # each piece lands in a parameter's own storage, no buffer between
+                spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in model.state_dict().values()]
+                assert all(any(a <= at and at + n <= b for a, b in spans) for at, n in reads), path
+            for name, value in reference.state_dict().items():
+                assert torch.equal(model.state_dict()[name], value.to(getattr(torch, dtype))), (path, dtype, name)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in folder.iterdir():
+        (cut / f.name).write_bytes(f.read_bytes()[:-100] if f.name.endswith(".safetensors") else f.read_bytes())
+    with pytest.raises(ConfigError, match=r"model.args.path: .*model.safetensors ends inside tensor .* cut short"):
+        load_pretrained(hf.pretrained(str(cut)), torch.device("cpu"))
