@@ -7,8 +7,8 @@ order torchtitan's ``parallelize`` applies them (``apply_speed_switches``, then 
    bf16 autocast (its parameters, and so the gradients it all-reduces, stay fp32). CPU and CUDA alike.
 2. activation checkpointing of each block (``train.activation_checkpointing``): before compile, so the compiled
    graph holds the recomputation, and before FSDP, so a block's gather happens once around both.
-3. ``torch.compile`` of each block (``train.compile``), the task's loss outside: after AC, before FSDP, whose
-   hooks stay outside the compiled graphs.
+3. ``torch.compile`` of each block (``train.compile``; a model without blocks as one graph), the task's loss
+   outside: after AC, before FSDP, whose hooks stay outside the compiled graphs.
 4. FSDP or DDP (``ray_app.worker.strategy.fully_shard_model``, ``Runtime.prepare_model``).
 
 The blocks are those FSDP shards as units (``strategy.blocks``). AC and compile each replace a block's
@@ -77,9 +77,21 @@ def apply_speed_switches(module: torch.nn.Module, train: TrainSection, precision
     if train.compile:
         use_compile_cache(train.compile_cache_dir)
         names = {id(m): n for n, m in module.named_modules()}
-        for block in blocks(module, train.fsdp_units, "train.compile=true"):
-            block.forward = _compiled(block.forward, f"{names[id(block)]} ({type(block).__name__})")
+        for block in _compile_units(module, train.fsdp_units):
+            where = f"the block {names[id(block)]}" if block is not module else "the model"
+            block.forward = _compiled(block.forward, f"{where} ({type(block).__name__})")
     return module
+
+
+def _compile_units(module: torch.nn.Module, names: str) -> list[torch.nn.Module]:
+    """What ``train.compile`` compiles: each block (``strategy.blocks``), or the whole model as one graph when it
+    has none and ``train.fsdp_units`` names none (a small CNN or MLP: accelerate's whole-model compile)."""
+    try:
+        return blocks(module, names, "train.compile=true")
+    except ConfigError:
+        if names.strip():  # the classes named are not in the model: say so
+            raise
+        return [module]
 
 
 def _checkpointed(forward, block: torch.nn.Module, compiled: bool):
@@ -149,7 +161,7 @@ def _compiled(forward, where: str):
         try:
             return compiled(*args, **kwargs)
         except errors as exc:
-            raise ConfigError(f"train.compile=true: torch.compile failed in the block {where}: {first_line(exc)}; "
+            raise ConfigError(f"train.compile=true: torch.compile failed in {where}: {first_line(exc)}; "
                               "set train.compile=false to run the model eagerly") from None
 
     return run

@@ -109,6 +109,28 @@ def final_model(summary: dict) -> dict:
     return checkpoint_model(summary["checkpoint"])
 
 
+def s3_committed(s3, run: str, prefix: str = "runs") -> dict[int, str]:
+    """step -> URI of each committed checkpoint of ``run`` under ``prefix`` of the S3 server's bucket."""
+    names = {k.split("/")[-2] for k in s3.snapshot(f"{prefix}/{run}/ckpt-s") if k.endswith("/manifest.json")}
+    return {int(n[len("ckpt-s"):][:9]): f"s3://{s3.bucket}/{prefix}/{run}/{n}" for n in names}
+
+
+def kill_a_worker_mid_epoch(run: Run, committed, steps_per_epoch: int, timeout: float = 240) -> int:
+    """SIGKILL one of ``run``'s two workers once ``committed()`` (its committed checkpoints' steps) holds one
+    mid-epoch past the first epoch; the newest committed step then, which the run resumes from or after."""
+    killed_after, deadline = None, time.monotonic() + timeout
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        steps = committed()
+        if any(s > steps_per_epoch and s % steps_per_epoch for s in steps):
+            killed_after = max(steps)
+            break
+        time.sleep(0.05)
+    workers = run.workers()
+    assert killed_after is not None and len(workers) == 2, (killed_after, run.text[-3000:])
+    workers[-1].send_signal(signal.SIGKILL)
+    return killed_after
+
+
 def committed_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name[len("ckpt-s"):][:9]) for p in run_dir.glob("ckpt-s*/manifest.json"))
 

@@ -9,16 +9,14 @@ bit."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.faultlib import Run, assert_bit_identical, final_model, summary_of
+from tests.integration.faultlib import Run, assert_bit_identical, final_model, kill_a_worker_mid_epoch, s3_committed, summary_of
 from tests.integration.s3server import start_s3_server
 from tests.support.hf import python_help_text, tiny_llama, train_tokenizer
 
@@ -46,12 +44,6 @@ def ray_app(args, env, timeout=600):
     proc = subprocess.run([sys.executable, "-m", "ray_app", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**env, "OMP_NUM_THREADS": "1"})
     return proc.returncode, proc.stdout, proc.stderr
-
-
-def committed(s3, run: str) -> dict[int, str]:
-    """step -> URI of each committed checkpoint of ``run`` on S3."""
-    names = {k.split("/")[2] for k in s3.snapshot(f"runs/{run}/ckpt-s") if k.endswith("/manifest.json")}
-    return {int(n[len("ckpt-s"):][:9]): f"s3://{s3.bucket}/runs/{run}/{n}" for n in names}
 
 
 @pytest.mark.timeout(540)
@@ -85,16 +77,7 @@ def test_an_hf_model_from_s3_trains_under_fsdp_and_its_hf_export_is_the_same_mod
 
     # a worker SIGKILLed mid-epoch, past the first epoch: resumed from the newest checkpoint, bit-identical
     run = Run(["--set", "run.name=llama-kill", *workload, "--set", "checkpoint.every_steps=5"])
-    killed_after, deadline = None, time.monotonic() + 240
-    while time.monotonic() < deadline and run.proc.poll() is None:
-        steps = committed(s3, "llama-kill")
-        if any(s > STEPS_PER_EPOCH and s % STEPS_PER_EPOCH for s in steps):
-            killed_after = max(steps)
-            break
-        time.sleep(0.05)
-    workers = run.workers()
-    assert killed_after is not None and len(workers) == 2, (killed_after, run.text[-3000:])
-    workers[-1].send_signal(signal.SIGKILL)
+    killed_after = kill_a_worker_mid_epoch(run, lambda: s3_committed(s3, "llama-kill"), STEPS_PER_EPOCH)
     assert run.wait() == 0, run.text[-5000:]
     resumed = summary_of(run.text)
     assert killed_after <= resumed["resumed_from_step"] < EPOCHS * STEPS_PER_EPOCH, (killed_after, resumed)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ray_app.driver import cli
-from tests.integration.faultlib import Run, assert_bit_identical, final_model, summary_of
+from tests.integration.faultlib import Run, assert_bit_identical, final_model, kill_a_worker_mid_epoch, s3_committed, summary_of
 from tests.integration.s3server import start_s3_server
 
 pytestmark = pytest.mark.integration
@@ -31,12 +31,6 @@ def workload(s3) -> list[str]:
             "--set", f"data.batch_size={BATCH}", "--set", f"train.epochs={EPOCHS}", "--set", "model.name=digits_cnn",
             "--set", "train.log_every_steps=15", "--set", "metrics.enabled=false", "--set", "checkpoint.keep=50",
             "--set", f"run.storage=s3://{s3.bucket}/runs"]
-
-
-def committed(s3, run: str) -> dict[int, str]:
-    """step -> URI of each committed checkpoint of ``run`` on S3."""
-    names = {k.split("/")[2] for k in s3.snapshot(f"runs/{run}/ckpt-s") if k.endswith("/manifest.json")}
-    return {int(n[len("ckpt-s"):][:9]): f"s3://{s3.bucket}/runs/{run}/{n}" for n in names}
 
 
 def test_an_fsdp_run_on_s3_killed_mid_epoch_ends_bit_identical(tmp_path, monkeypatch):
@@ -58,17 +52,7 @@ def test_an_fsdp_run_on_s3_killed_mid_epoch_ends_bit_identical(tmp_path, monkeyp
         assert ref["global_step"] == EPOCHS * STEPS_PER_EPOCH and ref["num_eval_samples"] == 359, ref
 
         run = Run(["--set", "run.name=kill", *workload(s3), "--set", "checkpoint.every_steps=10"])
-        killed_after = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and run.proc.poll() is None:
-            steps = committed(s3, "kill")
-            if any(s > STEPS_PER_EPOCH and s % STEPS_PER_EPOCH for s in steps):  # mid-epoch, past the first
-                killed_after = max(steps)
-                break
-            time.sleep(0.05)
-        workers = run.workers()
-        assert killed_after is not None and len(workers) == 2, (killed_after, run.text[-3000:])
-        workers[-1].send_signal(signal.SIGKILL)
+        killed_after = kill_a_worker_mid_epoch(run, lambda: s3_committed(s3, "kill"), STEPS_PER_EPOCH, timeout=120)
         assert run.wait() == 0, run.text[-5000:]
         summary = summary_of(run.text)
         assert "resumed from" in run.text, run.text[-4000:]
@@ -78,7 +62,7 @@ def test_an_fsdp_run_on_s3_killed_mid_epoch_ends_bit_identical(tmp_path, monkeyp
         t_kill = time.monotonic() - t0
 
         # the mid-epoch checkpoint the kill came after, saved at 2 workers, resumed at 3 (half a CPU each)
-        mid_epoch = committed(s3, "kill")[killed_after]
+        mid_epoch = s3_committed(s3, "kill")[killed_after]
         grow = Run(["--set", "run.name=grow", *workload(s3), "--set", "scaling.num_workers=3",
                     "--set", "scaling.cpus_per_worker=0.5", "--set", f"run.resume_from={mid_epoch}"])
         assert grow.wait() == 0, grow.text[-5000:]

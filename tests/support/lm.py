@@ -10,6 +10,8 @@ from pathlib import Path
 from torch import nn
 from torch.utils.data import Dataset
 
+from tests.support.unsharded_model import BlockClassifier
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "char_lm"
 
 
@@ -77,17 +79,8 @@ class _Branchy(nn.Module):
         return x - self.fc(x)
 
 
-class BranchyNet(nn.Module):
+class BranchyNet(BlockClassifier):
     """A classifier whose blocks torch.compile cannot compile whole (``_Branchy``)."""
 
     def __init__(self, channels: int, image_size: int, num_classes: int, width: int = 16):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(channels * image_size * image_size, width))
-        self.blocks = nn.ModuleList([_Branchy(width) for _ in range(2)])
-        self.head = nn.Linear(width, num_classes)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        super().__init__(channels, image_size, num_classes, _Branchy, 2, width)

@@ -48,14 +48,14 @@ class _NormedBlock(nn.Module):
         return x + torch.relu(self.norm(self.fc(x)))
 
 
-class BlocksWithBatchNorm(nn.Module):
-    """A classifier whose blocks (a ModuleList) hold BatchNorm: running statistics inside what activation
-    checkpointing runs twice."""
+class BlockClassifier(nn.Module):
+    """A classifier of ``blocks`` blocks of ``block`` (a ModuleList, what activation checkpointing and compile
+    wrap) between a flattening stem and a head."""
 
-    def __init__(self, channels: int, image_size: int, num_classes: int, width: int = 32):
+    def __init__(self, channels: int, image_size: int, num_classes: int, block: type, blocks: int, width: int):
         super().__init__()
         self.stem = nn.Sequential(nn.Flatten(), nn.Linear(channels * image_size * image_size, width))
-        self.blocks = nn.ModuleList([_NormedBlock(width) for _ in range(3)])
+        self.blocks = nn.ModuleList([block(width) for _ in range(blocks)])
         self.head = nn.Linear(width, num_classes)
 
     def forward(self, x):
@@ -63,3 +63,11 @@ class BlocksWithBatchNorm(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class BlocksWithBatchNorm(BlockClassifier):
+    """A classifier whose blocks (a ModuleList) hold BatchNorm: running statistics inside what activation
+    checkpointing runs twice."""
+
+    def __init__(self, channels: int, image_size: int, num_classes: int, width: int = 32):
+        super().__init__(channels, image_size, num_classes, _NormedBlock, 3, width)
