@@ -11,7 +11,8 @@ three side by side once it is done.
 Each line a process prints is shown as it comes, prefixed by its unit's name; at the end, one line per unit
 (its exit code and wall seconds) and the slowest tests of all units together. The exit code is the first
 non-zero one in unit order (a unit that collected no test under a ``-k`` selection is not a failure
-unless none collected any).
+unless none collected any). A unit's CPU seconds are its pytest process's and those of every process that
+was waited for under it (a local Ray's daemons under its driver; not a container's, nor a ``ray start`` head's).
 
     python -m tests.streams [--durations=N] [PYTEST_ARGS...]
 """
@@ -19,6 +20,7 @@ unless none collected any).
 from __future__ import annotations
 
 import getpass
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,7 @@ MEASURED_S = {
     "test_user_project": 297, "test_storage_outage": 278, "test_faults": 237, "test_run_faults": 217,
     "test_script_mode": 201, "test_shards_train": 195, "test_sweep": 178, "test_examples": 171,
     "test_s3_checkpoints": 149, "test_chaos": 144, "test_train_local": 124, "test_tracking_mlflow": 113,
-    "test_metrics_prometheus": 78, "test_world_size": 65, "test_hf_models": 140, "test_local_sockets": 38, "test_eval_passes": 1,
+    "test_metrics_prometheus": 78, "test_world_size": 65, "test_hf_models": 140, "test_local_sockets": 38, "test_eval_passes": 1, "test_compile_restart": 90,
 }
 NEW_MODULE_S = 60
 NO_TESTS = 5  # pytest's exit code when it collected nothing
@@ -56,6 +58,7 @@ class Unit:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the pytest process's and every process it waited for (not Docker's, nor daemons)
     code: int | None = None
     relay: threading.Thread | None = field(default=None, repr=False)
 
@@ -131,6 +134,17 @@ def _start(unit: Unit, pytest_args: list[str], base: Path, width: int, lock: thr
     unit.relay.start()
 
 
+def _ended(unit: Unit) -> bool:
+    """Whether the unit's pytest process ended; if so its exit code and CPU seconds are set (``os.wait4``: the
+    process's own and that of every process it waited for, Ray's daemons under a driver included)."""
+    pid, status, usage = os.wait4(unit.proc.pid, os.WNOHANG)
+    if pid == 0:
+        return False
+    unit.code = unit.proc.returncode = os.waitstatus_to_exitcode(status)
+    unit.cpu_seconds = usage.ru_utime + usage.ru_stime
+    return True
+
+
 def main(args: list[str]) -> int:
     n_slowest, pytest_args = split_durations(args)
     base = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
@@ -148,8 +162,8 @@ def main(args: list[str]) -> int:
                 running.append(unit)
                 continue
             time.sleep(0.5)
-            for unit in [u for u in running if u.proc.poll() is not None]:
-                unit.code, unit.seconds = unit.proc.returncode, time.monotonic() - unit.started
+            for unit in [u for u in running if _ended(u)]:
+                unit.seconds = time.monotonic() - unit.started
                 unit.relay.join(timeout=10)
                 running.remove(unit)
                 done.append(unit)
@@ -157,10 +171,10 @@ def main(args: list[str]) -> int:
         for unit in running:
             unit.proc.wait()
         return 130
-    print(f"{'unit':<{width}}  exit  seconds")
+    print(f"{'unit':<{width}}  exit  seconds  cpu-seconds")
     for unit in done:
         note = "  (no test selected)" if unit.code == NO_TESTS else ""
-        print(f"{unit.name:<{width}}  {unit.code:>4}  {unit.seconds:7.0f}{note}")
+        print(f"{unit.name:<{width}}  {unit.code:>4}  {unit.seconds:7.0f}  {unit.cpu_seconds:11.0f}{note}")
     if n_slowest:
         print(f"slowest {n_slowest} tests of every unit:")
         for seconds, name in slowest([base / f"streams-{u.name}.xml" for u in done], n_slowest):
