@@ -61,7 +61,9 @@ def test_one_writer_per_run_and_ctrl_c_exits_130_with_the_command_that_resumes(t
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("broken,loader_workers", [("ragged", 0), ("getitem", 2)])
+# a raising __getitem__ in loader worker processes; ragged samples' message (their indices and shapes) and loader
+# workers 0: tests/unit/test_training_faults.py
+@pytest.mark.parametrize("broken,loader_workers", [("getitem", 2)])
 def test_a_bug_in_the_users_data_is_shown_once_and_ends_the_run_after_at_most_two_attempts(tmp_path, broken,
                                                                                           loader_workers):
     attempts = tmp_path / "attempts"

@@ -142,7 +142,6 @@ EXTRA_FILES = {
     "acme/broken_syntax.py": "def Net(:\n    pass\n",
     "acme/odd.py": '''
         import torch
-        from torch.utils.data import Dataset
 
         from acme.data import Points, build
 
@@ -160,16 +159,6 @@ EXTRA_FILES = {
 
         def single(**kwargs):
             return build(**kwargs)[0]
-
-
-        class Stream(Dataset):
-            def __getitem__(self, i):
-                return {"features": torch.zeros(6), "label": torch.tensor(0)}
-
-
-        def no_len(**kwargs):
-            train, ev, info = build(**kwargs)
-            return Stream(), ev, info
 
 
         class ShortEval:
@@ -244,9 +233,8 @@ def _on_cluster(project, ray_head, run: str, overrides: list[str]):
 
 @pytest.mark.parametrize("overrides, needle", [
     (["data.name=acme.odd:single"], "config key data.name: acme.odd:single returned a Points"),
-    (["data.name=acme.odd:no_len"], "has no __len__"),
     (["task.name=acme.odd:ShortEval", "task.args={}"], "of shape (3,); each value must be a per-sample tensor"),
-], ids=["factory-shape", "no-len", "eval-length"])
+], ids=["factory-shape", "eval-length"])  # a data set without __len__: tests/unit/test_plugins.py
 def test_what_only_a_worker_finds_ends_the_run_at_once_shown_once(project, ray_head, overrides, needle):
     rc, out, err = _on_cluster(project, ray_head, "worker-finds", overrides)
     assert rc == 2, f"{out[-3000:]}\n{err[-3000:]}"
