@@ -265,15 +265,15 @@ def test_stopped_worker_container_checkpoints_at_the_sigterm_and_no_step_is_lost
 
 
 def test_stopped_driver_checkpoints_and_a_resubmit_resumes_with_no_step_lost(cluster, reference):
-    """`ray job stop` (SIGTERM to the driver): the workers checkpoint at the next step boundary and the
-    job ends STOPPED; the same job submitted again resumes from that step and ends bit-identical."""
+    """A job stop (the jobs API's, which `ray job stop` calls: SIGTERM to the driver): the workers checkpoint
+    at the next step boundary and the job ends STOPPED; the same job submitted again resumes from that step
+    and ends bit-identical."""
     run, sid, t0, _ = start_faulted_job(cluster, "driver")
     before = cluster.s3.committed_steps(run)  # no log round trip first: the job is only ~12 s long
     stopped_at = time.monotonic()
-    out = cluster.ray("job", "stop", "--address", cluster.address, sid, timeout=120)
-    stop_seconds = time.monotonic() - stopped_at
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert cluster.jobs_api(f"{sid}/stop", method="POST")["stopped"]  # at once: no CLI to start first
     assert cluster.wait_for_job(sid, timeout=120) == "STOPPED"
+    stop_seconds = time.monotonic() - stopped_at
     logs = cluster.job_logs(sid)
     (LOG_DIR / f"job-{run}-stopped.log").write_text(logs)
     m = re.search(r"stopped: checkpoint (\S+) at step (\d+) committed", logs)
@@ -338,8 +338,7 @@ def test_a_lost_worker_shrinks_the_world_to_min_workers_and_a_new_one_grows_it_b
         grown_at = time.monotonic()
         assert world_sizes(cluster.job_logs(sid))[-1] == 3
 
-        out = cluster.ray("job", "stop", "--address", cluster.address, sid, timeout=120)
-        assert out.returncode == 0, out.stdout + out.stderr
+        assert cluster.jobs_api(f"{sid}/stop", method="POST")["stopped"]
         status = cluster.wait_for_job(sid, timeout=180)
         logs = cluster.job_logs(sid)
         (LOG_DIR / f"job-{run}.log").write_text(logs)
