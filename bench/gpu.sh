@@ -8,6 +8,10 @@
 #      `train.strategy: fsdp` (`ray-app config keys`), otherwise the page says it was not run and why
 #   4. the GPU image's own `ray-app train` on the GPU (bench/gpu_page.py image) when Docker with the NVIDIA
 #      runtime and the image (IMAGE_GPU, default ray-app:0.1.0-gpu) are there, otherwise the page says which is missing
+#   5. a Llama-architecture model of 0.94B parameters (random weights, random token ids, causal_lm) with
+#      train.precision=bf16-mixed, train.compile=true and train.activation_checkpointing=full: the kit
+#      (model.name=hf) beside its twin with the same switches (from_pretrained of the same folder), tokens/s, MFU,
+#      peak GPU memory (bench/gpu_lm.py); it takes what the parts before it left, at least its share
 #
 #   bash bench/gpu.sh [OUT_DIR]        # default OUT_DIR: bench/gpu (RESULTS.md, results.png; the figures in build/bench/gpu)
 #
@@ -15,7 +19,9 @@
 # run that fails or overruns its share of the time) is one line naming it and exit 1: nothing is skipped
 # silently. On a fresh copy of the repository it first creates .venv (pip install -e . plus moto[server],
 # matplotlib, psutil): that install comes on top of the 8 minutes. Unknown GPU? Set BENCH_GPU_PEAK_TFLOPS.
-# Downloads no data (synthetic images). BENCH_DEADLINE_S (default 480) is the whole check's time limit.
+# Downloads no data (synthetic images and token ids). BENCH_DEADLINE_S (default 480) is the whole check's time
+# limit; BENCH_STRATEGIES_S, BENCH_IMAGE_S and BENCH_LM_S set the shares of parts 3-5 (the image's: 90 s, or 30
+# where it cannot run; the language model's: 180 s), and parts 1-2 get the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,13 +70,20 @@ print(f"torch {torch.__version__} CUDA {torch.version.cuda} NCCL {'.'.join(map(s
 EOF
 
 left() { echo $((DEADLINE - (SECONDS - start))); }
+# Docker with the NVIDIA runtime and the GPU image: without them the image part only says what is missing
+image_ready() {
+  command -v docker >/dev/null 2>&1 || return 1
+  [[ $(timeout 20 docker info --format '{{json .Runtimes}}' 2>/dev/null) == *nvidia* ]] || return 1
+  timeout 20 docker image inspect "${IMAGE_GPU:-ray-app:0.1.0-gpu}" >/dev/null 2>&1
+}
 # seconds each part may take; what is left over goes to the kit vs bare loop and checkpoint runs
-STRATEGIES_S=${BENCH_STRATEGIES_S:-100}
-IMAGE_S=${BENCH_IMAGE_S:-120}
+STRATEGIES_S=${BENCH_STRATEGIES_S:-90}
+if [ -n "${BENCH_IMAGE_S:-}" ]; then IMAGE_S=$BENCH_IMAGE_S; elif image_ready; then IMAGE_S=90; else IMAGE_S=30; fi
+LM_S=${BENCH_LM_S:-180}
 
 # 3. Kit vs bare loop (case a) and checkpoint blocked time (case d): one round, stopping early if the time runs
 #    short; writes OUT/RESULTS.md, the page the next parts append to.
-measure_s=$(( $(left) - STRATEGIES_S - IMAGE_S ))
+measure_s=$(( $(left) - STRATEGIES_S - IMAGE_S - LM_S ))
 (( measure_s >= 120 )) || fail "BENCH_DEADLINE_S=$DEADLINE leaves ${measure_s}s for the measurements; give it >= 120 s more"
 echo "== kit vs bare loop, checkpoints (bench/run.py --gpu --cases a,d): at most ${measure_s}s"
 part "the kit vs bare loop and checkpoint runs (bench/run.py --gpu)" "$measure_s" \
@@ -88,6 +101,13 @@ image_s=$(left)
 echo "== the GPU image (bench/gpu_page.py image): at most ${image_s}s"
 part "the GPU image's run (bench/gpu_page.py image)" "$image_s" \
   "$PY" bench/gpu_page.py image --out "$OUT" --timeout "$((image_s - 10))"
+
+# 6. The language model with every speed switch on: all the time left (its share at least, unless a part overran).
+lm_s=$(left)
+(( lm_s >= 60 )) || fail "no time left for the language model's runs (${lm_s}s of BENCH_DEADLINE_S=$DEADLINE)"
+echo "== a 0.94B Llama, bf16-mixed + compile + full AC, kit and twin (bench/gpu_lm.py): at most ${lm_s}s"
+part "the language model's runs (bench/gpu_lm.py)" "$lm_s" \
+  "$PY" bench/gpu_lm.py --out "$OUT" --timeout "$((lm_s - 10))"
 
 printf '\n_bash bench/gpu.sh: %s s in all (limit %s s)._\n' "$((SECONDS - start))" "$DEADLINE" >> "$OUT/RESULTS.md"
 echo "== bench/gpu.sh: $OUT/RESULTS.md in $((SECONDS - start)) s"

@@ -58,6 +58,7 @@ class Spec:
     data_parallel: bool = False  # twin on cuda: nn.DataParallel over every visible GPU (the article's baseline)
     variant: str = ""  # kit, cold: run through bench/variants.py VARIANT (a start-up experiment)
     cpu_sample: bool = False  # sample every process's CPU time (10 Hz) to say which used it before the first step
+    rank_memory: bool = False  # each training rank's peak resident memory (VmHWM, 4 Hz; see RankMemory)
 
     @property
     def metrics_on(self) -> bool:
@@ -213,6 +214,69 @@ class CpuSampler(threading.Thread):
 
     def report(self, until: float, t0: float) -> dict:
         return parse.cpu_by_role(self.procs, until, t0)
+
+
+RANK_ROLES = ("ray::RayTrainWorker", "twin.py")  # the processes that are training ranks (parse.process_role)
+
+
+def high_water_kib(pid: int) -> int:
+    """A process's peak resident memory so far (``VmHWM`` of /proc/PID/status, KiB)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+class RankMemory(threading.Thread):
+    """Each training rank's peak resident memory (``VmHWM``: the kernel's high-water mark of the process's
+    resident set), read at 4 Hz from every process under ``roots()`` whose role is a training rank (a Ray Train
+    worker, a twin's rank). VmHWM only grows, so the last reading before a rank exits is its peak, but for what
+    its last quarter second added (its shut-down, after the last step and evaluation). A twin's rank says its
+    rank (``RANK`` in its environment); a kit's is matched to its rank, and to this run among the jobs of a warm
+    cluster, from Ray Train's log after the run."""
+
+    def __init__(self, roots, every: float = 0.25):
+        super().__init__(daemon=True)
+        self.roots, self.every = roots, every
+        self.peak_kib: dict[int, int] = {}  # pid -> KiB
+        self.rank: dict[int, int] = {}  # pid -> rank, where its environment says
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while True:
+            self._sample()
+            if self._halt.wait(self.every):
+                return
+
+    def _sample(self) -> None:
+        procs: dict[int, psutil.Process] = {}
+        for root in self.roots():
+            try:
+                procs.update((p.pid, p) for p in (root, *root.children(recursive=True)))
+            except psutil.Error:
+                continue
+        for p in procs.values():
+            try:
+                if p.pid not in self.peak_kib:
+                    if parse.process_role(p.cmdline()) not in RANK_ROLES:  # a Ray worker is ray::IDLE at first
+                        continue
+                    rank = p.environ().get("RANK")
+                    if rank is not None:
+                        self.rank[p.pid] = int(rank)
+                self.peak_kib[p.pid] = max(self.peak_kib.get(p.pid, 0), high_water_kib(p.pid))
+            except (psutil.Error, OSError, StopIteration, ValueError):
+                continue
+
+    def by_rank(self, ranks: dict[int, int] | None = None) -> list[float]:
+        """Each rank's peak (MiB), in rank order. ``ranks`` ({pid: rank}, from the kit's log): only those
+        processes; else those whose environment says their rank, then the others in pid order."""
+        if ranks:
+            pids = sorted((pid for pid in self.peak_kib if pid in ranks), key=ranks.get)
+        else:
+            pids = sorted(self.peak_kib, key=lambda pid: (self.rank.get(pid, 1 << 30), pid))
+        return [round(self.peak_kib[pid] / 1024, 1) for pid in pids]
 
 
 # ---------------------------------------------------------------- warm cluster
@@ -485,6 +549,12 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
             cluster.append(psutil.Process(ctx.s3.proc.pid))  # the S3 server shares the machine's cores
         sampler = CpuSampler(lambda: [here, *cluster])
         sampler.start()
+    memory = None
+    if spec.rank_memory:  # a warm run's workers are the cluster's processes, not the job submitter's
+        here, cluster = psutil.Process(proc.pid), ctx.cluster if spec.launch == "warm" else None
+        memory = RankMemory(lambda: [here, *(cluster.processes() if cluster else [])])
+    if memory:
+        memory.start()
     t_kill = None
     try:
         if spec.kill:
@@ -503,6 +573,8 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
             poller.stop()
         if sampler:
             sampler.stop()
+        if memory:
+            memory.stop()
         recorder.join(timeout=10)
         if spec.kind in ("kit", "script") and spec.launch == "cold":
             kill_tree(processes_mentioning(str(d / "r")))  # leftovers of a crashed run's Ray
@@ -522,6 +594,8 @@ def run(spec: Spec, ctx: Context, label: str) -> dict:
         result["cpu_in_run"] = sampler.report(t_end, t0)
         if result.get("first_step_unix"):
             result["cpu_before_first_step"] = sampler.report(result["first_step_unix"], t0)
+    if memory:
+        _rank_memory_figures(result, memory, spec, ctx, d, run_uri)
     (d / "result.json").write_text(json.dumps(result, default=str))  # kept with the run's logs (--keep)
     return result
 
@@ -553,6 +627,8 @@ def _kit_figures(res, spec, ctx, d, recorder, poller, t0, t_end, t_kill) -> None
     res["first_step_s"] = round(first - t0, 3) if first else None
     res["first_step_source"] = source if first else None
     _kit_checkpoint_figures(res, summary, poller)
+    # a GPU run: rank 0's peak CUDA memory, as its exporter last showed it (None on a CPU or without an exporter)
+    res["gpu_peak_bytes"] = (poller.last if poller else {}).get("ray_app_gpu_memory_max_allocated_bytes")
     if spec.storage == "s3" and summary.get("checkpoint"):
         res["ckpt_bytes"] = _s3_bytes(ctx, summary["checkpoint"])
     logs = _kit_logs(spec, ctx, d)
@@ -649,3 +725,17 @@ def _twin_figures(res, d, recorder, t0, t_kill, jsonl: str = "twin.jsonl") -> No
         if resumed:
             s = resumed[-1].get("stamps", {})
             res["restart_phases_s"] = {k: round(v - t_kill, 3) for k, v in s.items() if v}
+
+
+def _rank_memory_figures(res, memory: RankMemory, spec, ctx, d, run_uri: str) -> None:
+    """``rank_peak_mib``: each training rank's peak resident memory (MiB), in rank order (the kit's ranks from
+    Ray Train's log of this run: which pid is which rank)."""
+    ranks = {}
+    if spec.kind == "kit":
+        logs = _kit_logs(spec, ctx, d)
+        if logs is not None:
+            found = parse.worker_pids(parse.train_log_records(logs, 0, float("inf")), run_uri.rsplit("/", 1)[-1])
+            ranks = {pid: rank for rank, pid in found.items()}
+    warm_unknown = spec.kind == "kit" and spec.launch == "warm" and not ranks  # the cluster's other jobs' too
+    res["rank_peak_mib"] = [] if warm_unknown else memory.by_rank(ranks)
+    res["rank_peak_source"] = "VmHWM at 4 Hz" + ("; ranks from Ray Train's log" if ranks else "")

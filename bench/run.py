@@ -16,9 +16,10 @@ vs torchrun, beside the plug-in mode's time to first step; (h, not in the defaul
 samples/s of workload (a) reading its data set as `ray-app data write` shards from moto over loopback vs the
 same samples map-style from memory; (v, not in the default set) start-up experiments
 with bench/variants.py; (z) FSDP: the kit with `train.strategy=fsdp` vs the twin's plain FSDP2 on workload
-(b), steady samples/s; (m, not in the default set) the speed switches, each on vs off on workload (a) in one
-epoch (resnet18's BasicBlocks the blocks): train.precision=bf16-mixed, train.activation_checkpointing=full,
-train.compile=true, steady samples/s and, for compile, the time to first step; (l, not in the default set) a
+(b), steady samples/s; (m, not in the default set) the speed switches, each on vs off, the kit and the twin with
+the same switches, on bench/models.py's vision transformer in one epoch: train.precision=bf16-mixed,
+train.activation_checkpointing=full, train.compile=true, steady samples/s, each rank's peak resident memory
+and, for compile, the time to first step; (l, not in the default set) a
 Hugging Face language model under FSDP: `model.name=hf`, `data.name=text`, `task.name=causal_lm` (bench/lm.py's
 Llama-architecture model) vs the twin loading the same folder with `from_pretrained`, and the kit's own loop
 without Ray under torchrun (bench/loop_alone.py) vs the twin, steady tokens/s. ``--gpu`` (bench/gpu.sh): (a),
@@ -84,6 +85,10 @@ WORKLOADS = {
         "shard_mb": 1.0,
         # (l): about 1,000 sequences of 128 tokens, 8 a rank a step: about 60 steps an epoch
         "lm": (*bench_lm.overrides("full"), *_LM, "data.batch_size=8", "train.epochs=2", "train.log_every_steps=5"),
+        # (m): bench/models.py's vision transformer (8 blocks of width 128, 64 patches of 4x4 an image), batch 64 a
+        # rank, one epoch of 20 steps (its only evaluation after the steady window)
+        "speed": (*_COMMON, "model.name=bench.models:vit", "model.args.depth=8", "data.args.image_size=32",
+                  "data.args.num_samples=2560", "data.batch_size=64", "train.epochs=1", "train.log_every_steps=5"),
     },
     # smoke: 4 kit processes and 3 twins cover every case (the numbers are not judged)
     "smoke": {
@@ -93,6 +98,9 @@ WORKLOADS = {
                  "data.batch_size=16", "train.epochs=2", "train.lr=0.01", "train.log_every_steps=2"),
         "shard_mb": 0.05,  # (h): 512 samples of 768 bytes in 8 train shards
         "lm": (*bench_lm.overrides("smoke"), *_LM, "data.batch_size=4", "train.epochs=1", "train.log_every_steps=2"),
+        "speed": (*_COMMON, "model.name=bench.models:vit", "model.args.dim=32", "model.args.depth=2",
+                  "model.args.heads=2", "data.args.image_size=8", "data.args.num_samples=256", "data.batch_size=16",
+                  "train.epochs=1", "train.log_every_steps=2"),
     },
     # bench/gpu.sh: one GPU, one worker, bf16; resnet50 at 128 px (7.9 GFLOP per sample, forward + backward)
     "gpu": {
@@ -106,10 +114,11 @@ GPU_CASES = "a,c,d"
 DEFAULT_CASES = "a,b,c,d,e,f,g,p,r,s"
 DEFAULT_CASES += ",j,z"  # (j) the run journal's cost; (z) FSDP: the kit vs the twin's plain FSDP2
 FSDP = ("train.strategy=fsdp",)  # case (z): the same --set for the kit and the twin
-# case (m): each against all off; resnet18's blocks are its BasicBlocks (no ModuleList of them), named for AC and compile
+# case (m): each against all off, the kit and the twin alike (the vision transformer's blocks: its ModuleList)
 SPEED_SWITCHES = {"bf16-mixed": ("train.precision=bf16-mixed",),
-                  "ac full": ("train.activation_checkpointing=full", "train.fsdp_units=BasicBlock"),
-                  "compile": ("train.compile=true", "train.fsdp_units=BasicBlock")}
+                  "ac full": ("train.activation_checkpointing=full",),
+                  "compile": ("train.compile=true",)}
+SMOKE_SWITCHES = ("ac full",)  # the smoke's: a compile costs tens of seconds on 2 cores
 VARIANT_NAMES = ("kit", "ray-poll", "nice0")
 SHARDS_PREFIX = "bench-shards"  # case (h): the shard set's prefix in the bench's S3 bucket
 
@@ -206,10 +215,8 @@ class Plan:
                            "b on": kit(w["comm"]), "b off": kit(w["comm"], variant="no-journal")}
         # FSDP: workload (b) (wide_mlp: its parameters and optimizer state dominate), kit vs the twin's plain FSDP2
         self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP)}
-        # the speed switches, each on vs all off, workload (a) in one epoch (its only evaluation after the last
-        # step, out of the steady window: a compiled model compiles again for it)
-        one_epoch = w["compute"] + ("train.epochs=1",)
-        self.specs["m"] = {"off": kit(one_epoch), **{name: kit(one_epoch + o) for name, o in SPEED_SWITCHES.items()}}
+        # the speed switches, each on vs all off, the kit and the twin (not in the default cases: `--cases m`)
+        self.specs["m"] = speed_specs(w["speed"], SPEED_SWITCHES, kit_launch, compile_caches())
         # a Hugging Face language model under FSDP (not in the default cases: `--cases l`): the kit, the twin, and
         # the kit's own loop without Ray under torchrun
         self.specs["l"] = {"kit": kit(w["lm"]), "twin": twin(w["lm"]), "loop": Spec("loop", w["lm"])}
@@ -243,6 +250,7 @@ class Plan:
         self.specs["l"] = {"kit": Spec("kit", w["lm"], launch="warm"), "twin": Spec("twin", w["lm"]),
                            "loop": Spec("loop", w["lm"])}
         self.specs["j"] = {"a on": k2, "a off": replace(k2, variant="no-journal")}  # a variant runs cold
+        self.specs["m"] = speed_specs(w["speed"], {n: SPEED_SWITCHES[n] for n in SMOKE_SWITCHES}, "warm", None)
 
     def _gpu_specs(self, w: dict) -> None:
         """One worker on one GPU (kit) against one bare process on the GPU (twin); DataParallel with >= 2 GPUs."""
@@ -260,6 +268,30 @@ class Plan:
         }
         if torch.cuda.device_count() >= 2:
             self.specs["a"]["dataparallel"] = replace(twin, data_parallel=True)
+
+
+def speed_specs(overrides: tuple[str, ...], switches: dict, kit_launch: str, caches: Path | None) -> dict:
+    """Case (m): the kit and the twin with every speed switch off and with each one on, the same --set values
+    for both, every rank's peak resident memory sampled. Compile's caches (``train.compile_cache_dir``, which
+    the twin honours too) are folders of this bench, one a side: each side's first compile is cold, the later
+    rounds' find its cache, as a restarted run would."""
+    specs = {}
+    for name, extra in {"off": (), **switches}.items():
+        for side in ("kit", "twin"):
+            cache = (f"train.compile_cache_dir={caches / side}",) if caches and "train.compile=true" in extra else ()
+            spec = Spec(side, overrides + extra + cache, rank_memory=True)
+            specs[f"{side} {name}"] = replace(spec, launch=kit_launch) if side == "kit" else spec
+    return specs
+
+
+def compile_caches() -> Path:
+    """A folder of this bench for case (m)'s compile caches, removed when the bench ends."""
+    import atexit
+    import shutil
+
+    folder = Path(tempfile.gettempdir()) / f"rb-inductor-{os.getpid()}"
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def down_tracking_server() -> str:
@@ -784,22 +816,58 @@ def rows_s(r: Runner) -> list[dict]:
 
 
 def rows_m(r: Runner) -> list[dict]:
-    """Each speed switch on vs off, the same round back to back: steady samples/s (ratio = on / off, the median
-    per-round ratio; reported: on a CPU without bf16 units bf16 is slower, AC trades a forward for memory),
-    and compile's time to first step (its compile, cached per user on the node after the first round)."""
-    off, out = r.runs("m", "off"), []
-    for name in SPEED_SWITCHES:
-        on = r.runs("m", name)
-        q = parse.median(parse.ratio(x.get("steady_sps"), y.get("steady_sps")) for x, y in zip(on, off))
-        out.append(_row("m", f"{name} on vs off, steady samples/s (ratio = on / off, the median per-round ratio)",
-                        med(on, "steady_sps"), med(off, "steady_sps"), q, "reported", q is not None,
-                        paired(on, off, "steady_sps") + " (on / off)"))
-    on = r.runs("m", "compile")
-    k, t = med(on, "first_step_s"), med(off, "first_step_s")
-    out.append(_row("m", "time to first step, compile on vs off (s; ratio column = difference; the first round "
-                    "compiles cold, later ones find the cache)", k, t, k - t if k is not None and t is not None else None,
-                    "reported", k is not None, paired(on, off, "first_step_s")))
+    """The speed switches, each on against all off, the kit and its twin with the same switches, every run of a
+    round back to back: steady samples/s on / off of each side (the median per-round ratio; reported: on a CPU
+    without bf16 units bf16 is slower, AC spends a forward of each block for memory), kit / twin with the
+    switch on, each rank's peak resident memory (VmHWM) on / off and kit / twin, and compile's time to first step
+    (cold in the first round, the bench's cache after it)."""
+    specs, out = r.plan.specs["m"], []
+    runs = {name: r.runs("m", name) for name in specs}
+    rate = twin_rate_key(runs["kit off"])
+    for name in ("off", *(n for n in SPEED_SWITCHES if f"kit {n}" in specs)):
+        kit, twin = runs[f"kit {name}"], runs[f"twin {name}"]
+        what = "every switch off" if name == "off" else f"{name} on"
+        if name != "off":
+            for side, on, off, key in (("kit", kit, runs["kit off"], "steady_sps"), ("twin", twin, runs["twin off"], rate)):
+                q = parse.median(parse.ratio(x.get(key), y.get(key)) for x, y in zip(on, off))
+                out.append(_row("m", f"{name}: {side} on / off, steady samples/s (the median per-round ratio)",
+                                med(on, key), med(off, key), q, "reported", q is not None,
+                                paired(on, off, key) + " (on / off)"))
+        k, t = med(kit, "steady_sps"), med(twin, rate)
+        same = [parse.same_losses(a.get("losses", []), b.get("losses", [])) for a, b in zip(kit, twin)]
+        note = "same losses as the twin: " + ("yes" if same and all(same) else "NO" if False in same else "n/a")
+        out.append(_row("m", f"{what}: kit / twin, steady samples/s", k, t, parse.ratio(k, t), "reported",
+                        k is not None, note + "; " + paired(kit, twin, "steady_sps", rate)))
+        pairs = [("kit / twin", kit, twin)]
+        if name != "off":
+            pairs = [("kit on / off", kit, runs["kit off"]), ("twin on / off", twin, runs["twin off"])] + pairs
+        for title, a, b in pairs:
+            pa, pb = rank_peaks(a), rank_peaks(b)
+            ka, kb = max(pa, default=None), max(pb, default=None)
+            out.append(_row("m", f"{what}: peak resident memory of a rank, {title} (MiB, VmHWM; the larger rank)",
+                            ka, kb, parse.ratio(ka, kb), "reported", ka is not None,
+                            f"each rank: {_mib(pa)} vs {_mib(pb)}"))
+    if "kit compile" in specs:
+        for side in ("kit", "twin"):
+            on, off = runs[f"{side} compile"], runs[f"{side} off"]
+            a, b = med(on, "first_step_s"), med(off, "first_step_s")
+            out.append(_row("m", f"compile: time to first step, {side} on vs off (s; ratio column = difference; the "
+                            "first round compiles cold, the later ones find the bench's cache)", a, b,
+                            a - b if a is not None and b is not None else None, "reported", a is not None,
+                            "per round " + ", ".join("-" if x.get("first_step_s") is None or y.get("first_step_s") is None
+                                                     else f"{x['first_step_s'] - y['first_step_s']:+.1f}"
+                                                     for x, y in zip(on, off))))
     return out
+
+
+def rank_peaks(runs: list[dict]) -> list[float]:
+    """Each rank's peak resident memory (MiB), the median over the runs, in rank order."""
+    lists = [x.get("rank_peak_mib") or [] for x in runs]
+    return [parse.median(peaks[i] for peaks in lists if i < len(peaks)) for i in range(max(map(len, lists), default=0))]
+
+
+def _mib(peaks: list[float]) -> str:
+    return "/".join(f"{p:.0f}" for p in peaks) or "-"
 
 
 CASE_ROWS = {"a": _throughput("a", "compute-bound (resnet18)", 0.98),

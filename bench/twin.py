@@ -31,6 +31,10 @@ FSDP2's ``set_requires_gradient_sync(False)``) and sync on the last. Kit-only ke
 Rank 0 prints one JSON line (and appends it to ``--out``) with wall-clock
 timestamps of each start-up phase, ``first_step_unix`` and the steady-state
 rate counted from the end of step ``--skip-steps`` (see :class:`Steady`).
+
+The speed switches, as the kit applies them and in its order (:func:`speed_switches`): ``train.precision``
+(above), then ``train.activation_checkpointing`` and ``train.compile`` written as plain torch on the blocks the
+kit picks (``ray_app.worker.strategy.blocks``), then DDP or FSDP.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class Twin:
         if cfg.train.precision == "bf16":
             model = model.to(torch.bfloat16)
         self.fsdp = cfg.train.strategy == "fsdp"
+        model = speed_switches(model, cfg.train)  # activation checkpointing, then compile, then FSDP or DDP
         if self.fsdp:
             model = self.fully_shard(model)
         elif self.distributed:
@@ -370,6 +375,7 @@ class Twin:
                 "train_loss": self.train_loss, **self.last_eval,
                 "train_seconds": time.perf_counter() - t_start, "first_step_unix": self.first_step_unix,
                 **self.steady.figures(),
+                "cuda_peak_bytes": torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None,
                 "stamps": self.stamps}
 
 
@@ -391,6 +397,51 @@ class _FsdpNoSync:
 
     def __exit__(self, *exc):
         self.model.set_requires_gradient_sync(True)
+
+
+def speed_switches(model: torch.nn.Module, train) -> torch.nn.Module:
+    """``train.activation_checkpointing`` and ``train.compile`` as plain torch, on the blocks the kit picks
+    (``ray_app.worker.strategy.blocks``: a pure function of the model and ``train.fsdp_units``), in torchtitan's
+    order: each block's forward checkpointed (``torch.utils.checkpoint``, non-reentrant; ``selective``: every
+    ``train.ac_every``-th block), then each block compiled whole (``nn.Module.compile(fullgraph=True)``: the
+    recomputation inside the compiled graph; a model without blocks whole), before DDP or FSDP wraps the model.
+    Under no_grad (evaluation) a checkpointed forward keeps nothing and runs once, as an eager one."""
+    from ray_app.shared.errors import ConfigError
+    from ray_app.worker.strategy import blocks
+
+    if train.activation_checkpointing != "none":
+        found = blocks(model, train.fsdp_units, f"train.activation_checkpointing={train.activation_checkpointing}")
+        every = train.ac_every if train.activation_checkpointing == "selective" else 1
+        for block in found[every - 1::every]:
+            block.forward = _checkpointed(block.forward)
+    if train.compile and train.activation_checkpointing != "none":  # as dynamo's hint says for HF decoder layers
+        import torch._dynamo
+
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    if train.compile:
+        if train.compile_cache_dir:  # inductor's and Triton's caches, as the kit points them
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = train.compile_cache_dir
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(train.compile_cache_dir, "triton")
+        try:
+            units = blocks(model, train.fsdp_units, "train.compile=true")
+        except ConfigError:  # no blocks and none named: the whole model as one graph, as the kit does
+            if train.fsdp_units.strip():
+                raise
+            units = [model]
+        for unit in units:
+            unit.compile(fullgraph=True)
+    return model
+
+
+def _checkpointed(forward):
+    """``forward`` under ``torch.utils.checkpoint`` (a function of this file, where dynamo starts tracing: it
+    takes the checkpoint whole into the compiled graph)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,10 @@
 ``StepFlops`` counts the FLOPs of one optimizer step once per worker-group start, with
 ``torch.utils.flop_counter.FlopCounterMode`` around the real forward, loss and backward of the first
 micro-batch of the attempt's second step, on the rank's real module and batch, times the step's
-micro-batches (``train.grad_accum``). It is the attempt's second step because a step under a dispatch mode
-runs eagerly (``torch.compile`` skips the frames): the first step, which compiles, stays as it is. The count
+micro-batches (``train.grad_accum``). It is the attempt's second step because the counted step runs eagerly
+(``torch.compiler.set_stance("force_eager")``: compiled code cannot run under a dispatch mode, and a
+``fullgraph`` compile, as ``train.compile``'s, refuses to be skipped): the first step, which compiles, stays as
+it is, and the steps after the counted one run compiled again. The count
 is of the whole model's FLOPs for this rank's batch: under FSDP the matmuls run on the gathered parameters,
 and a collective has no FLOP formula, so nothing is halved by sharding nor doubled by the all-gathers. With
 activation checkpointing the recomputed forward runs inside the counted backward and is counted too.
@@ -77,7 +79,7 @@ class StepFlops:
         from torch.utils.flop_counter import FlopCounterMode
 
         counter = FlopCounterMode(display=False)
-        with counter:
+        with torch.compiler.set_stance("force_eager"), counter:  # compiled blocks run eagerly, counted
             yield
         self.per_step = float(counter.get_total_flops() * micro_batches)
 

@@ -76,6 +76,8 @@ def apply_speed_switches(module: torch.nn.Module, train: TrainSection, precision
             block.forward = _checkpointed(block.forward, block, compiled=train.compile)
     if train.compile:
         use_compile_cache(train.compile_cache_dir)
+        if train.activation_checkpointing != "none":
+            replay_no_side_effects_in_recomputation()
         names = {id(m): n for n, m in module.named_modules()}
         for block in _compile_units(module, train.fsdp_units):
             where = f"the block {names[id(block)]}" if block is not module else "the model"
@@ -118,6 +120,19 @@ def _checkpointed(forward, block: torch.nn.Module, compiled: bool):
                           context_fn=functools.partial(_running_statistics_kept, statistics), **kwargs)
 
     return run_keeping_statistics if statistics and not compiled else run
+
+
+def replay_no_side_effects_in_recomputation() -> None:
+    """Compile over activation checkpointing: a checkpointed block whose forward sets a Python attribute is
+    compiled, that assignment not done again in the compiled recomputation. Without it dynamo refuses such a
+    block ("HOP: Unsafe side effect"): every Hugging Face decoder layer of transformers 5, whose attention the
+    ``kernels`` package wraps in a forward that sets a context variable (its hub kernels' selection). The
+    compiled recomputation runs the graph traced once, so an attribute's value during the recomputation changes
+    nothing; it is what torch's flag ``skip_fwd_side_effects_in_bwd_under_checkpoint`` allows (process-wide: a
+    worker compiles only the model's blocks)."""
+    import torch._dynamo
+
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def _running_statistics_kept(modules: list[torch.nn.Module]):

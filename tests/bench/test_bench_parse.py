@@ -370,3 +370,42 @@ def test_case_l_runs_one_language_model_workload_three_ways_and_reports_target_t
     assert "per round 0.900, 0.800, 0.850" in kit["note"] and kit["target"] == ">= 0.97"
     assert (loop["kit"], loop["ratio"], loop["ok"], loop["target"]) == (100.0 * 127, 1.0, True, ">= 0.98")
     assert wall["ratio"] == 1.0
+
+
+def test_case_m_gives_the_kit_and_the_twin_the_same_switches_and_reports_each_ranks_peak_memory(tmp_path):
+    """(m): every switch off and each one on, the kit and the twin with the same --set values, memory sampled;
+    rows: on / off of each side from the per-round ratios, kit / twin, each rank's peak (rank order) on / off."""
+    from bench.measure import RankMemory
+    from bench.run import SPEED_SWITCHES, Plan, Runner, rows_m
+
+    specs = Plan("full", ("kit",)).specs["m"]
+    for name, extra in {"off": (), **SPEED_SWITCHES}.items():
+        kit, twin = specs[f"kit {name}"], specs[f"twin {name}"]
+        assert kit.rank_memory and twin.rank_memory and (kit.kind, twin.kind) == ("kit", "twin")
+        assert set(extra) <= set(kit.overrides)
+        strip = [o for o in kit.overrides if not o.startswith("train.compile_cache_dir=")]
+        assert strip == [o for o in twin.overrides if not o.startswith("train.compile_cache_dir=")]
+    assert specs["kit compile"].value("train.compile_cache_dir") != specs["twin compile"].value("train.compile_cache_dir")
+    runner = Runner(Plan("full", ("kit",)), ["m"], 2, tmp_path)
+    sps = {"kit off": (100.0, 110.0), "twin off": (100.0, 100.0), "kit ac full": (60.0, 77.0),
+           "twin ac full": (70.0, 70.0)}
+    peaks = {"kit off": [900.0, 880.0], "kit ac full": [800.0, 790.0], "twin off": [700.0, 690.0],
+             "twin ac full": [600.0, 610.0]}
+    for rnd in range(2):
+        for spec, label in runner.schedule(rnd).items():
+            name = label.split("/")[1].split(" round")[0]
+            run = _fake_run(label, sps.get(name, (50.0, 50.0))[rnd])
+            run["rank_peak_mib"] = peaks.get(name, [500.0, 500.0])
+            runner.results[(spec, rnd)] = run
+    rows = {r["metric"].split(" (")[0]: r for r in rows_m(runner)}
+    assert rows["ac full: kit on / off, steady samples/s"]["ratio"] == pytest.approx((0.6 + 0.7) / 2)
+    assert rows["ac full: twin on / off, steady samples/s"]["ratio"] == pytest.approx(0.7)
+    on_off = rows["ac full on: peak resident memory of a rank, kit on / off"]
+    assert (on_off["kit"], on_off["ref"]) == (800.0, 900.0) and "800/790 vs 900/880" in on_off["note"]
+    assert rows["ac full on: peak resident memory of a rank, kit / twin"]["note"] == "each rank: 800/790 vs 600/610"
+    # a kit's ranks come from Ray Train's log ({pid: rank}); a warm cluster's other jobs' workers are left out
+    memory = RankMemory(lambda: [])
+    memory.peak_kib, memory.rank = {11: 2048, 12: 1024, 99: 4096}, {}
+    assert memory.by_rank({12: 0, 11: 1}) == [1.0, 2.0]
+    memory.rank = {99: 1, 11: 0}  # a twin's ranks say their rank
+    assert memory.by_rank() == [2.0, 4.0, 1.0]

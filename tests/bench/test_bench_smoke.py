@@ -7,7 +7,8 @@ the twin with a killed rank), whose figures come from the kit's logs, its export
 checks the figures are there and say what happened (a kill resumed, each checkpoint's blocked time,
 bytes in S3: what case (d) reads). The numbers are not judged (CI machines are shared and small);
 `make bench` writes them to bench/RESULTS.md. `make test-long` runs every case's smoke, (d) checkpoint
-cost and (h) streamed shards included.
+cost, (h) streamed shards and (m) the speed switches (the kit and the twin with AC on and off; compile, tens of
+seconds on 2 cores, is left out) included.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-EVERY_CASE = "abcdefghjprsz"  # the smoke plan's cases: the default ones and (h) streamed shards
+EVERY_CASE = "abcdefghjmprsz"  # the smoke plan's cases: the default ones, (h) streamed shards, (m) AC (no compile)
 
 
 def smoke(out: Path, cases: str | None = None) -> dict:

@@ -20,7 +20,7 @@ import torch
 from ray_app.shared import failures
 from ray_app.shared.config import load_config
 from ray_app.shared.errors import ConfigError
-from ray_app.worker.speed import default_compile_cache, use_compile_cache
+from ray_app.worker.speed import Precision, apply_speed_switches, default_compile_cache, use_compile_cache
 from tests.unit.test_loop_ddp import _finish, _init, _spawn
 from tests.unit.test_precision import _fit as _fit_recorded
 
@@ -122,6 +122,49 @@ def test_the_default_cache_folder_is_the_users_own_under_the_temp_dir_and_outliv
     os.makedirs(default_compile_cache())  # "another user's" folder of that name, already there
     with pytest.raises(ConfigError, match="belongs to another user; set train.compile_cache_dir"):
         use_compile_cache("")
+
+
+def test_a_hugging_face_llama_compiles_under_activation_checkpointing(tmp_path, monkeypatch):
+    """transformers 5's Llama decoder layers (the ``kernels`` package wraps their attention in a forward that sets
+    a context variable: a side effect dynamo refuses inside a checkpoint unless told not to replay it) compiled
+    over full activation checkpointing: dynamo takes each layer whole (the kit's fullgraph compile; the backend
+    AOT autograd without inductor's code generation, which the other tests here cover: seconds instead of
+    a minute), forward and backward run, the gradients are eager's within 1e-4."""
+    import functools
+
+    import torch._dynamo
+
+    from tests.support.lm import llama
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # use_compile_cache sets them in this process
+        monkeypatch.setenv(var, "")
+    flag = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", flag)
+    graphs = []
+
+    def counted(gm, example_inputs):  # dynamo's graph of a layer, then AOT autograd as inductor would take it
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counted))
+    torch.manual_seed(0)
+    compiled, eager = llama(64, hidden=32), llama(64, hidden=32)
+    eager.load_state_dict(compiled.state_dict())
+    cfg = load_config(None, ["train.compile=true", "train.activation_checkpointing=full",
+                             f"train.compile_cache_dir={tmp_path / 'inductor'}"])
+    apply_speed_switches(compiled, cfg.train, Precision("fp32", sharded=False))
+    ids = torch.randint(0, 64, (2, 16))
+    try:
+        for model in (compiled, eager):
+            model(ids).logits.pow(2).mean().backward()
+    finally:
+        torch._dynamo.reset()
+    assert graphs  # compiled, not run eagerly
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-4), name
 
 
 def test_a_model_torch_cannot_compile_stops_at_the_first_step_with_one_line(runs):

@@ -166,6 +166,25 @@ def test_step_flops_count_one_micro_batch_of_the_attempts_second_step_times_the_
     assert StepFlops(torch.device("cpu")).peak is None  # a CPU has no peak of its own: nothing counted, no MFU
 
 
+def test_a_compiled_model_is_counted_eagerly_and_runs_compiled_again_after_the_counted_step():
+    """train.compile's fullgraph compile refuses to be skipped under FlopCounterMode's dispatch mode: the counted
+    step runs it eagerly (the hand count), the steps around it run compiled."""
+    model, batch = TinyLM(), {"input_ids": torch.randint(0, V, (B, T))}
+    compiled, calls = [], []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return lambda *args: (calls.append(1), gm.forward(*args))[1]
+
+    model.forward = torch.compile(model.forward, fullgraph=True, backend=backend)
+    flops = StepFlops(torch.device("cpu"), peak_tflops=1.0)
+    for step in (1, 2, 3):  # the attempt's first step compiles, its second is counted
+        with flops.counting(step, 0, 1):
+            CausalLM().loss(model, batch)[0].backward()
+    assert flops.per_step == 3 * 2 * B * T * D * V
+    assert len(compiled) == 1 and len(calls) == 2  # compiled at the first step, run at the first and the third
+
+
 def test_the_first_attempts_seconds_to_its_first_step_are_journaled_and_runs_show_lists_them(runs, capsys):
     from ray_app.driver import runs as runs_cmd
 
