@@ -166,18 +166,13 @@ class ExporterPoller(threading.Thread):
             self._stop.wait(self.FAST if waiting else self.slow)
 
 
-class CpuSampler(threading.Thread):
-    """CPU seconds (user + system) of every process of one run, sampled at 10 Hz.
+class Sampler(threading.Thread):
+    """A daemon thread reading the processes under ``roots()`` every ``every`` seconds (``_sample``) until
+    ``stop()``."""
 
-    ``roots()`` names the processes to follow with all their descendants (the run's process; for a warm
-    run also the cluster's, whose CPU before the run is subtracted). ``report(t)`` gives each process's
-    role and its CPU seconds up to time ``t`` (see ``parse.cpu_by_role``).
-    """
-
-    def __init__(self, roots, every: float = 0.1):
+    def __init__(self, roots, every: float):
         super().__init__(daemon=True)
         self.roots, self.every = roots, every
-        self.procs: dict[int, dict] = {}
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -189,6 +184,22 @@ class CpuSampler(threading.Thread):
             self._sample()
             if self._halt.wait(self.every):
                 return
+
+    def _sample(self) -> None:
+        raise NotImplementedError
+
+
+class CpuSampler(Sampler):
+    """CPU seconds (user + system) of every process of one run, sampled at 10 Hz.
+
+    ``roots()`` names the processes to follow with all their descendants (the run's process; for a warm
+    run also the cluster's, whose CPU before the run is subtracted). ``report(t)`` gives each process's
+    role and its CPU seconds up to time ``t`` (see ``parse.cpu_by_role``).
+    """
+
+    def __init__(self, roots, every: float = 0.1):
+        super().__init__(roots, every)
+        self.procs: dict[int, dict] = {}
 
     def _sample(self) -> None:
         found: dict[int, psutil.Process] = {}  # a root may also be another root's descendant
@@ -225,7 +236,7 @@ def high_water_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
-class RankMemory(threading.Thread):
+class RankMemory(Sampler):
     """Each training rank's peak resident memory (``VmHWM``: the kernel's high-water mark of the process's
     resident set), read at 4 Hz from every process under ``roots()`` whose role is a training rank (a Ray Train
     worker, a twin's rank). VmHWM only grows, so the last reading before a rank exits is its peak, but for what
@@ -234,21 +245,9 @@ class RankMemory(threading.Thread):
     cluster, from Ray Train's log after the run."""
 
     def __init__(self, roots, every: float = 0.25):
-        super().__init__(daemon=True)
-        self.roots, self.every = roots, every
+        super().__init__(roots, every)
         self.peak_kib: dict[int, int] = {}  # pid -> KiB
         self.rank: dict[int, int] = {}  # pid -> rank, where its environment says
-        self._halt = threading.Event()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=5)
-
-    def run(self) -> None:
-        while True:
-            self._sample()
-            if self._halt.wait(self.every):
-                return
 
     def _sample(self) -> None:
         procs: dict[int, psutil.Process] = {}

@@ -263,18 +263,23 @@ class Twin:
                 logits = self.model(x)
             loss = F.cross_entropy(logits.float(), y, reduction="none")
             rows.append(torch.stack([logits.argmax(1).double(), y.double(), loss.double()], 1))
-        local = torch.cat([self.eval_indices.to(self.device).double().unsqueeze(1), torch.cat(rows)], 1)
-        gathered = [torch.empty_like(local) for _ in range(self.world)]
-        if self.distributed:
-            dist.all_gather(gathered, local)  # sync point: every rank's predictions
-        else:
-            gathered = [local]
-        allrows = torch.cat(gathered).cpu()
-        _, first = np.unique(allrows[:, 0].numpy(), return_index=True)  # drop the sampler's padding
-        keep = allrows[torch.from_numpy(np.sort(first))]
+        keep = self.distinct_rows(rows)
         self.model.train()
         return {"eval_accuracy": (keep[:, 1] == keep[:, 2]).double().mean().item(),
                 "eval_loss": keep[:, 3].mean().item(), "num_samples": int(keep.shape[0])}
+
+    def distinct_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's eval rows, each led by its sample's index, gathered from every rank (a sync point), one
+        row per distinct sample (the sampler's padding dropped)."""
+        local = torch.cat([self.eval_indices.to(self.device).double().unsqueeze(1), torch.cat(rows)], 1)
+        gathered = [torch.empty_like(local) for _ in range(self.world)]
+        if self.distributed:
+            dist.all_gather(gathered, local)
+        else:
+            gathered = [local]
+        allrows = torch.cat(gathered).cpu()
+        _, first = np.unique(allrows[:, 0].numpy(), return_index=True)
+        return allrows[torch.from_numpy(np.sort(first))]
 
     @torch.no_grad()
     def evaluate_lm(self) -> dict:
@@ -284,15 +289,7 @@ class Twin:
         for batch in self.eval_loader:
             per_token, counted = self.token_losses(batch)
             rows.append(torch.stack([per_token.double().sum(1), counted.double().sum(1)], 1))
-        local = torch.cat([self.eval_indices.to(self.device).double().unsqueeze(1), torch.cat(rows)], 1)
-        gathered = [torch.empty_like(local) for _ in range(self.world)]
-        if self.distributed:
-            dist.all_gather(gathered, local)  # sync point: every rank's sums
-        else:
-            gathered = [local]
-        allrows = torch.cat(gathered).cpu()
-        _, first = np.unique(allrows[:, 0].numpy(), return_index=True)  # drop the sampler's padding
-        keep = allrows[torch.from_numpy(np.sort(first))]
+        keep = self.distinct_rows(rows)
         self.model.train()
         loss = (keep[:, 1].sum() / keep[:, 2].sum()).item()
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "num_samples": int(keep.shape[0])}
