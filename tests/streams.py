@@ -11,8 +11,9 @@ three side by side once it is done.
 Each line a process prints is shown as it comes, prefixed by its unit's name; at the end, one line per unit
 (its exit code and wall seconds) and the slowest tests of all units together. The exit code is the first
 non-zero one in unit order (a unit that collected no test under a ``-k`` selection is not a failure
-unless none collected any). A unit's CPU seconds are its pytest process's and those of every process that
-was waited for under it (a local Ray's daemons under its driver; not a container's, nor a ``ray start`` head's).
+unless none collected any). A unit's CPU seconds are its pytest process's and those of the processes waited
+for under it (its multiprocessing ranks, the ``ray-app`` commands' own processes): a floor, not the whole, as
+Ray's daemons and workers, containers and ``ray start`` heads are nobody's waited-for children.
 
     python -m tests.streams [--durations=N] [PYTEST_ARGS...]
 """
@@ -58,7 +59,7 @@ class Unit:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
-    cpu_seconds: float = 0.0  # the pytest process's and every process it waited for (not Docker's, nor daemons)
+    cpu_seconds: float = 0.0  # the pytest process's and the processes waited for under it (not Ray's, nor containers)
     code: int | None = None
     relay: threading.Thread | None = field(default=None, repr=False)
 
@@ -136,7 +137,7 @@ def _start(unit: Unit, pytest_args: list[str], base: Path, width: int, lock: thr
 
 def _ended(unit: Unit) -> bool:
     """Whether the unit's pytest process ended; if so its exit code and CPU seconds are set (``os.wait4``: the
-    process's own and that of every process it waited for, Ray's daemons under a driver included)."""
+    process's own and that of the processes waited for under it; Ray's daemons and workers are not)."""
     pid, status, usage = os.wait4(unit.proc.pid, os.WNOHANG)
     if pid == 0:
         return False
