@@ -112,7 +112,7 @@ def runs(tmp_path_factory, port_picker):
     out = tmp_path_factory.mktemp("throughput")
     storage = str(out / "runs")
     _spawn(_worker, 2, port_picker(), str(out), storage)
-    return torch.load(out / "rank0.pt", weights_only=False), storage
+    return torch.load(out / "rank0.pt", weights_only=True), storage
 
 
 def test_a_causal_lm_runs_tokens_per_second_counts_its_target_tokens_and_samples_per_second_its_samples(runs):
