@@ -11,13 +11,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ray_app.shared.plugins import resolve
 from ray_app.shared.tasks import CausalLM
 from ray_app.worker.progress import Progress
 from tests.support.ports import free_port
+from tests.support.ranks import rank_context
 
 pytestmark = pytest.mark.timeout(120)
 V = 11
@@ -150,7 +150,7 @@ def test_ranks_with_different_token_counts_log_the_single_process_token_weighted
             total, tokens = total + float(s), tokens + n
     counts = [int(CausalLM().loss(model, b)[1]) for b in batches[0] + batches[1]]
     assert len(set(counts)) > 2, counts  # the micro-batches really differ in their number of targets
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, out)) for r in range(2)]

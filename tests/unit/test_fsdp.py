@@ -331,7 +331,7 @@ def memory(tmp_path_factory, port_picker, monkeypatch_module):
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     found = {}
     for strategy in ("ddp", "fsdp"):
-        _spawn(_memory_worker, 2, port_picker(), str(out), strategy)
+        _spawn(_memory_worker, 2, port_picker(), str(out), strategy, start_method="spawn")  # reads the variable
         for upload in ("sync", "async"):
             found[strategy, upload] = [torch.load(out / f"mem-{strategy}-{upload}-{r}.pt", weights_only=True)
                                       for r in (0, 1)]

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ray_app.controller import hang_verdict
 from ray_app.shared import reports as stored
@@ -24,6 +23,7 @@ from ray_app.shared.storage import LocalStorage
 from ray_app.worker import watchdog as rank_watchdog
 from ray_app.worker.collectives import COUNTER, CollectiveCounter, Position
 from tests.support.ports import free_port
+from tests.support.ranks import rank_context
 
 HANG_TIMEOUT_S = 5.0  # the collectives' timeout in the spawned groups: the report comes 2 s before it
 
@@ -105,7 +105,7 @@ def _users_own_code_that_never_returns() -> None:
 
 @pytest.mark.timeout(90)
 def test_every_rank_counts_the_kits_collectives_in_the_same_order_on_a_real_gloo_group(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     procs = [ctx.Process(target=_counted_collectives, args=(r, 2, port, str(tmp_path))) for r in range(2)]
     for p in procs:
@@ -143,7 +143,7 @@ def test_counting_a_collective_costs_microseconds_and_no_io():
 
 @pytest.mark.timeout(100)
 def test_a_stopped_rank_and_a_stuck_one_are_named_and_the_waiting_ranks_stacks_are_in_storage(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     procs = [ctx.Process(target=_hung_rank, args=(r, 3, port, str(tmp_path))) for r in range(3)]
     for p in procs:

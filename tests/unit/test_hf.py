@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ray_app.shared.errors import ConfigError
 from ray_app.shared.hf import INDEX, check_pretrained
 from tests.support.hf import tiny_llama
 from tests.support.ports import free_port
+from tests.support.ranks import rank_context
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(180)
@@ -59,7 +59,7 @@ def test_fsdp_ranks_read_only_their_rows_and_give_from_pretrained_s_model(sharde
     with torch.no_grad():
         want = reference(IDS).logits
     total = sum(p.numel() * p.element_size() for p in reference.parameters())  # the tied weight once
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, str(sharded_llama), out)) for r in range(2)]

@@ -33,6 +33,7 @@ from ray_app.worker.metrics import NullMetrics
 from ray_app.worker.parts import Runtime, build_parts
 from ray_app.worker.progress import MetricsSink
 from tests.support.evaluation import accuracy_and_loss, default_model_eval
+from tests.support.ranks import rank_context
 from tests.support.stand_ins import assert_stands_in_for
 
 EVAL_N = 359  # the digits eval set size: divisible by neither 2 nor 3
@@ -60,8 +61,11 @@ def _entry(rank: int, fn, world: int, *args) -> None:
     os._exit(0)
 
 
-def _spawn(fn, world: int, *args) -> None:
-    mp.spawn(_entry, args=(fn, world, *args), nprocs=world, join=True)
+def _spawn(fn, world: int, *args, start_method: str = "forkserver") -> None:
+    """``world`` rank processes running ``fn(rank, world, *args)``; forked from a server that imported torch and
+    the kit once (tests/support/ranks.py), or ``spawn``ed for ranks that read a variable at process start."""
+    rank_context(start_method)
+    mp.start_processes(_entry, args=(fn, world, *args), nprocs=world, join=True, start_method=start_method)
 
 
 def eval_table(n: int = EVAL_N, classes: int = 10):

@@ -17,6 +17,7 @@ from ray_app.shared.errors import ConfigError, DataPipelineError, UserCodeError
 from ray_app.shared.failures import unused_parameters_error
 from ray_app.shared.plugins import guarded_data
 from ray_app.worker.entry import ddp_options
+from tests.support.ranks import rank_context
 
 
 class RaggedSamples(torch.utils.data.Dataset):
@@ -161,9 +162,7 @@ def _rank_of_two(rank: int, port: int, out) -> None:
 def test_the_error_of_a_collective_whose_peer_died_is_a_lost_peer():
     """Two real gloo ranks; rank 1's process exits: rank 0's all-reduce raises, and the kit reads that as
     a lost peer (a consequence: the restart line names the cause, not this rank's traceback)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     out, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_rank_of_two, args=(r, port, out)) for r in (0, 1)]
     for p in procs:
