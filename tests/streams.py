@@ -46,7 +46,7 @@ MEASURED_S = {
     "test_user_project": 297, "test_storage_outage": 278, "test_faults": 237, "test_run_faults": 217,
     "test_script_mode": 201, "test_shards_train": 195, "test_sweep": 178, "test_examples": 171,
     "test_s3_checkpoints": 149, "test_chaos": 144, "test_train_local": 124, "test_tracking_mlflow": 113,
-    "test_metrics_prometheus": 78, "test_world_size": 65, "test_hf_models": 140, "test_local_sockets": 38, "test_eval_passes": 1, "test_compile_restart": 90,
+    "test_metrics_prometheus": 78, "test_hf_models": 140, "test_local_sockets": 38, "test_eval_passes": 1, "test_compile_restart": 90,
 }
 NEW_MODULE_S = 60
 NO_TESTS = 5  # pytest's exit code when it collected nothing
