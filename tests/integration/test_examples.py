@@ -20,8 +20,8 @@ from tests.support.processes import run_cli
 pytestmark = pytest.mark.integration
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-EVAL_LOSS_BOUND = 1.9  # nats per character; unigram entropy of the text is 3.25, the runs tuned reach ~1.47
-CHAR_LM_EPOCHS = 2  # of the example's 4: 1.80 after 2, ~1.47 after 4
+EVAL_LOSS_BOUND = 2.4  # nats per character; unigram entropy of the text is 3.25, the runs tuned reach ~1.47
+CHAR_LM_EPOCHS = 1  # of the example's 4: 2.14 after 1, 1.80 after 2, ~1.47 after 4
 EVAL_MSE_BOUND = 0.65  # standardized target; predicting the mean gives 1.04, linear regression 0.52
 
 
