@@ -37,6 +37,11 @@ EPOCHS = 24
 ELASTIC_EPOCHS = 2000
 ELASTIC_RESIZE_S = 5
 ELASTIC_ACCURACY = 0.9   # digits: an uninterrupted run passes 0.95 within its first epochs
+# its rank 0's loader sleeps this long per batch (tests/support/faulty_data.py, from the uploaded working dir) and
+# the other ranks wait for it in the all-reduce: the test waits on Ray's failure detection and a container's
+# start, not on steps, and the group training at full speed meanwhile took the machine's cores from them
+ELASTIC_PACE = ["--set", "data.name=tests.support.faulty_data:slow_rank",
+                "--set", "data.args={name: digits, rank: 0, delay_s: 0.05, batch_size: 32}"]
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +314,7 @@ def test_a_lost_worker_shrinks_the_world_to_min_workers_and_a_new_one_grows_it_b
     cluster.wait_for_exactly_the_workers()  # no node an earlier test lost still counted: a group of 3 fits
     run, sid = run_name("elastic"), run_name("job")
     args = ["--set", f"run.name={run}", "--set", f"train.epochs={ELASTIC_EPOCHS}", "--set", "scaling.num_workers=3",
-            "--set", "scaling.min_workers=2", "--set", f"scaling.resize_interval_s={ELASTIC_RESIZE_S}"]
+            "--set", "scaling.min_workers=2", "--set", f"scaling.resize_interval_s={ELASTIC_RESIZE_S}", *ELASTIC_PACE]
     t0 = time.monotonic()
     out = cluster.submit(sid, args, wait=False, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -22,10 +22,17 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS_PER_EPOCH = 32  # 1024 samples / 2 workers / batch 16
 
 
-def workload(epochs: int, log_every_steps: int = 8) -> list[str]:
-    """``--set`` arguments of the small synthetic run every fault test trains (2 CPU workers, gloo)."""
+def workload(epochs: int, log_every_steps: int = 8, paced_s: float = 0.0) -> list[str]:
+    """``--set`` arguments of the small synthetic run every fault test trains (2 CPU workers, gloo).
+
+    ``paced_s``: rank 0's loader sleeps that long per batch (tests/support/faulty_data.py), and rank 1 waits
+    for it in the gradient all-reduce: for a run that trains while a test waits on something else (a server's
+    outage, a restart), steps at a bounded pace that leaves the machine's cores to the rest."""
+    data = ["--set", "data.name=synthetic"] if not paced_s else [
+        "--set", "data.name=tests.support.faulty_data:slow_rank",
+        "--set", f"data.args={{name: synthetic, rank: 0, delay_s: {paced_s}, batch_size: 16}}"]
     return [
-        "--set", "data.name=synthetic", "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
+        *data, "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
         "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", f"train.epochs={epochs}",
         "--set", f"train.log_every_steps={log_every_steps}", "--set", "metrics.enabled=false",
         "--set", "checkpoint.keep=50",

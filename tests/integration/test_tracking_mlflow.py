@@ -35,6 +35,7 @@ pytestmark = pytest.mark.integration
 
 OUTAGE_S = 15  # longer than the client's request timeout (10 s): a request meets the outage and fails
 RUN = "tracked"
+PACE_S = 0.08  # per batch: at most 12 steps/s, the test waits on the server and the restart, not on steps
 PROGRESS = re.compile(r"\(RayTrainWorker pid=(\d+)\) epoch \d+ step (\d+)/\d+ loss ([\d.]+) lr ([\d.e+-]+) "
                       r"([\d,]+) samples/s")
 
@@ -127,7 +128,7 @@ def test_a_tracked_run_survives_a_late_server_a_killed_rank0_and_an_outage_with_
 
     run_dir = tmp_path / RUN
     mlflow_server.pause()  # 1. the URI does not answer at the start
-    run = Run(["--set", f"run.storage={tmp_path}", "--set", f"run.name={RUN}", *workload(200, log_every_steps=4),
+    run = Run(["--set", f"run.storage={tmp_path}", "--set", f"run.name={RUN}", *workload(200, log_every_steps=4, paced_s=PACE_S),
                "--set", "checkpoint.every_steps=20", "--set", f"tracking.mlflow_uri={mlflow_server.uri}",
                "--set", "tracking.tensorboard=true", "--set", "tracking.experiment=integration"])
     try:
