@@ -26,22 +26,23 @@ from tests.support.ddp_script import TRAIN, lines_of, write_scripts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-# 0.5-1 s per epoch: long enough for Prometheus to discover and scrape rank 0 (its SD updates every
-# 5 s) and to put a fault in after the first checkpoint with seconds of training left (12 epochs were
-# not, once evaluation got cheaper: a job ended before its stop); every job trains as many, so the
-# faulted ones can be compared with the uninterrupted one
-EPOCHS = 24
-# the elastic job: more epochs than the test waits for (~0.5 s each): the test stops it once the group has
+# Every job's rank 0 loader sleeps PACE_S per batch (tests/support/faulty_data.py, from the uploaded working dir)
+# and the other ranks wait for it in the all-reduce: an epoch of digits takes at least 23 x PACE_S at 2 workers,
+# and what a job costs is its steps' compute, not the seconds the tests wait through. 12 epochs (about 1.5 s
+# each): long enough for Prometheus to discover and scrape rank 0 (its SD updates every 5 s) and to put a
+# fault in after the first checkpoint with seconds of training left; every job trains as many, so the faulted
+# ones can be compared with the uninterrupted one
+PACE_S = 0.05
+PACE = ["--set", "data.name=tests.support.faulty_data:slow_rank",
+        "--set", f"data.args={{name: digits, rank: 0, delay_s: {PACE_S}, batch_size: 32}}"]
+EPOCHS = 12
+JOB = ["--set", f"train.epochs={EPOCHS}", *PACE]
+# the elastic job: more epochs than the test waits for: the test stops it once the group has
 # shrunk, grown back and finished an epoch at 3; a job that could end first made the test a race with the
 # join (one local run grew back in epoch 76 of 80)
 ELASTIC_EPOCHS = 2000
 ELASTIC_RESIZE_S = 5
 ELASTIC_ACCURACY = 0.9   # digits: an uninterrupted run passes 0.95 within its first epochs
-# its rank 0's loader sleeps this long per batch (tests/support/faulty_data.py, from the uploaded working dir) and
-# the other ranks wait for it in the all-reduce: the test waits on Ray's failure detection and a container's
-# start, not on steps, and the group training at full speed meanwhile took the machine's cores from them
-ELASTIC_PACE = ["--set", "data.name=tests.support.faulty_data:slow_rank",
-                "--set", "data.args={name: digits, rank: 0, delay_s: 0.05, batch_size: 32}"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def uninterrupted(cluster):
     """Job 1: `ray job submit` of the cluster config, no fault. (run, submission id, its result, logs, seconds)."""
     run, sid = run_name("ddp"), run_name("job")
     t0 = time.monotonic()
-    out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"], timeout=600)
+    out = cluster.submit(sid, ["--set", f"run.name={run}", *JOB], timeout=600)
     logs = cluster.job_logs(sid) or out.stdout
     (LOG_DIR / f"job-{run}.log").write_text(logs)
     return run, sid, out, logs, time.monotonic() - t0
@@ -169,7 +170,7 @@ def start_faulted_job(cluster, kind: str) -> tuple[str, str, float, str]:
     cluster.wait_for_exactly_the_workers()  # an earlier test's restarted container is back, its old node gone
     run, sid = run_name(kind), run_name("job")
     t0 = time.monotonic()
-    out = cluster.submit(sid, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"],
+    out = cluster.submit(sid, ["--set", f"run.name={run}", *JOB],
                          wait=False, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     def committed_or_ended():
@@ -287,7 +288,7 @@ def test_stopped_driver_checkpoints_and_a_resubmit_resumes_with_no_step_lost(clu
     assert step >= max(before) and step in cluster.s3.committed_steps(run), (step, before)
 
     again = run_name("job")
-    out = cluster.submit(again, ["--set", f"run.name={run}", "--set", f"train.epochs={EPOCHS}"], timeout=600)
+    out = cluster.submit(again, ["--set", f"run.name={run}", *JOB], timeout=600)
     logs = cluster.job_logs(again) or out.stdout
     (LOG_DIR / f"job-{run}.log").write_text(logs)
     assert out.returncode == 0, logs[-5000:]
@@ -314,7 +315,7 @@ def test_a_lost_worker_shrinks_the_world_to_min_workers_and_a_new_one_grows_it_b
     cluster.wait_for_exactly_the_workers()  # no node an earlier test lost still counted: a group of 3 fits
     run, sid = run_name("elastic"), run_name("job")
     args = ["--set", f"run.name={run}", "--set", f"train.epochs={ELASTIC_EPOCHS}", "--set", "scaling.num_workers=3",
-            "--set", "scaling.min_workers=2", "--set", f"scaling.resize_interval_s={ELASTIC_RESIZE_S}", *ELASTIC_PACE]
+            "--set", "scaling.min_workers=2", "--set", f"scaling.resize_interval_s={ELASTIC_RESIZE_S}", *PACE]
     t0 = time.monotonic()
     out = cluster.submit(sid, args, wait=False, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
