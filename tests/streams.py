@@ -36,17 +36,16 @@ OTHERS = ["tests/unit", "tests/deploy", "tests/bench", "tests/e2e"]
 INTEGRATION = "tests/integration"
 SLOTS = 3
 WEIGHT = {"others": 2}  # an integration module: 1
-# Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once): only
-# the order they start in depends on them. That run took 1618 s in all, the next one 1585 s; the same machine
-# took 1832 s with the integration tier in one process beside the rest (its cores 24-48 % busy once the rest
-# was done). Now they are 85-99 % busy in most 30 s samples of both phases (a few dips to 39-77 %): less time
-# needs less work, not more processes.
+# Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once, on a
+# machine doing nothing else): only the order they start in depends on them. Its cores were 81-98 % busy while
+# "others" ran and 99-100 % after: less time needs less work (CPU-seconds), not more processes.
 MEASURED_S = {
-    "others": 1012,
-    "test_user_project": 297, "test_storage_outage": 278, "test_faults": 237, "test_run_faults": 217,
-    "test_script_mode": 201, "test_shards_train": 195, "test_sweep": 178, "test_examples": 171,
-    "test_s3_checkpoints": 149, "test_chaos": 144, "test_train_local": 124, "test_tracking_mlflow": 113,
-    "test_metrics_prometheus": 78, "test_hf_models": 140, "test_local_sockets": 38, "test_eval_passes": 1, "test_compile_restart": 90,
+    "others": 1281,
+    "test_s3_checkpoints": 346, "test_sweep": 320, "test_run_faults": 291, "test_user_project": 279,
+    "test_script_mode": 274, "test_hf_models": 258, "test_storage_outage": 246, "test_shards_train": 229,
+    "test_examples": 218, "test_chaos": 216, "test_compile_restart": 183, "test_train_local": 174,
+    "test_tracking_mlflow": 171, "test_faults": 155, "test_metrics_prometheus": 128, "test_local_sockets": 50,
+    "test_eval_passes": 3,
 }
 NEW_MODULE_S = 60
 NO_TESTS = 5  # pytest's exit code when it collected nothing
