@@ -139,7 +139,7 @@ def shards_dest(case: str) -> str:
 class Plan:
     """Which processes each case needs (one list per round) and how to turn results into rows."""
 
-    def __init__(self, size: str, variants: tuple[str, ...] = VARIANT_NAMES):
+    def __init__(self, size: str, variants: tuple[str, ...] = VARIANT_NAMES, switches: tuple[str, ...] = tuple(SPEED_SWITCHES)):
         w = WORKLOADS[size]
         self.smoke, self.gpu = size == "smoke", size == "gpu"
         self.shard_sets: dict[str, tuple[tuple[str, ...], str, float]] = {}  # case -> (--set, DEST, --shard-mb)
@@ -216,7 +216,8 @@ class Plan:
         # FSDP: workload (b) (wide_mlp: its parameters and optimizer state dominate), kit vs the twin's plain FSDP2
         self.specs["z"] = {"kit": kit(w["comm"] + FSDP), "twin": twin(w["comm"] + FSDP)}
         # the speed switches, each on vs all off, the kit and the twin (not in the default cases: `--cases m`)
-        self.specs["m"] = speed_specs(w["speed"], SPEED_SWITCHES, kit_launch, compile_caches())
+        self.specs["m"] = speed_specs(w["speed"], {n: SPEED_SWITCHES[n] for n in switches}, kit_launch,
+                                      compile_caches() if "compile" in switches else None)
         # a Hugging Face language model under FSDP (not in the default cases: `--cases l`): the kit, the twin, and
         # the kit's own loop without Ray under torchrun
         self.specs["l"] = {"kit": kit(w["lm"]), "twin": twin(w["lm"]), "loop": Spec("loop", w["lm"])}
@@ -966,8 +967,13 @@ def main(argv=None) -> int:
                    help="re-run only --cases; the other cases' runs come from this earlier results.json")
     p.add_argument("--variants", default=",".join(VARIANT_NAMES),
                    help="case v: bench/variants.py names to compare (the first is the reference, 'kit')")
+    p.add_argument("--switches", default=",".join(SPEED_SWITCHES),
+                   help=f"case m: which speed switches to turn on, each against all off ({','.join(SPEED_SWITCHES)})")
     args = p.parse_args(argv)
-    plan = Plan("smoke" if args.smoke else "gpu" if args.gpu else "full", tuple(args.variants.split(",")))
+    switches = tuple(n.strip() for n in args.switches.split(",") if n.strip())
+    if not switches or set(switches) - set(SPEED_SWITCHES):
+        p.error(f"--switches: use names from {','.join(SPEED_SWITCHES)}")
+    plan = Plan("smoke" if args.smoke else "gpu" if args.gpu else "full", tuple(args.variants.split(",")), switches)
     cases = [c.strip() for c in (args.cases or (GPU_CASES if args.gpu else DEFAULT_CASES)).split(",") if c.strip()]
     from bench.variants import VARIANTS
 
