@@ -32,8 +32,9 @@ BASE = ["data.name=tests.support.lm:char_pairs", "data.args.max_chars=30000", "m
         "train.epochs=1", "train.max_steps=50", "train.optimizer=adamw", "train.lr=0.003", "train.log_every_steps=5",
         "train.activation_checkpointing=full", "metrics.enabled=false", "checkpoint.every_epochs=0",
         "checkpoint.every_steps=0"]
-RUNS = {"fsdp-eager": ["train.strategy=fsdp"], "fsdp-compiled": ["train.strategy=fsdp", "train.compile=true"],
-        "ddp-eager": [], "ddp-compiled": ["train.compile=true"]}
+# FSDP (the blocks compiled before they are sharded); DDP compiles the same blocks the same way, before it wraps
+# the model: tests/integration/test_compile_restart.py runs it, bench case (m) compares its losses with a twin's
+RUNS = {"fsdp-eager": ["train.strategy=fsdp"], "fsdp-compiled": ["train.strategy=fsdp", "train.compile=true"]}
 # blocks holding BatchNorm, AC on: the compiled recomputation moves no running statistic again
 BN = ["data.name=digits", "model.name=tests.support.unsharded_model:BlocksWithBatchNorm", "train.max_steps=10",
       "train.activation_checkpointing=full", "metrics.enabled=false", "checkpoint.every_epochs=0"]
@@ -72,9 +73,8 @@ def runs(tmp_path_factory, port_picker):
     return results
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_compiled_losses_are_within_1e_4_of_eager_over_50_steps(runs, strategy):
-    eager, compiled = runs[f"{strategy}-eager"], runs[f"{strategy}-compiled"]
+def test_compiled_losses_are_within_1e_4_of_eager_over_50_steps(runs):
+    eager, compiled = runs["fsdp-eager"], runs["fsdp-compiled"]
     assert eager["summary"]["global_step"] == compiled["summary"]["global_step"] == 50
     assert len(eager["losses"]) == len(compiled["losses"]) == 10
     assert max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"])) <= 1e-4
