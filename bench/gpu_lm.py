@@ -40,6 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_page import CheckFailed, page_missing  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {
     # 0.94B parameters; 8 x 2048 tokens a step; 30 steps (the steady window: steps 6-30)
@@ -50,10 +52,6 @@ SIZES = {
              "steps": 12},
 }
 SWITCHES = ("train.precision=bf16-mixed", "train.compile=true", "train.activation_checkpointing=full")
-
-
-class CheckFailed(Exception):
-    """A run that started and broke: bench/gpu.sh fails with this line."""
 
 
 # ---------------------------------------------------------------- the data plug-in (kit and twin)
@@ -233,9 +231,7 @@ def main(argv=None) -> int:
                         "divides by it too (train.peak_tflops)")
     args = p.parse_args(argv)
     out = Path(args.out)
-    if not (out / "RESULTS.md").is_file():
-        print(f"gpu_lm.py: {out / 'RESULTS.md'} does not exist: bench/run.py --gpu --out {out} writes it first",
-              file=sys.stderr)
+    if page_missing(out, "gpu_lm.py"):
         return 2
     try:
         part = run_both(args.size, args.device, args.timeout, args.peak_tflops)

@@ -199,6 +199,15 @@ def append(out: Path, lines: list[str]) -> None:
         f.write("\n" + "\n".join(lines) + "\n")
 
 
+def page_missing(out: Path, script: str) -> bool:
+    """Whether the GPU page this part adds to is missing (said in one line): bench/run.py --gpu writes it first."""
+    if (out / "RESULTS.md").is_file():
+        return False
+    print(f"{script}: {out / 'RESULTS.md'} does not exist: bench/run.py --gpu --out {out} writes it first",
+          file=sys.stderr)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("strategies", "image"))
@@ -206,9 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=150, help="seconds this part may take")
     args = p.parse_args(argv)
     out = Path(args.out)
-    if not (out / "RESULTS.md").is_file():
-        print(f"gpu_page.py: {out / 'RESULTS.md'} does not exist: bench/run.py --gpu --out {out} writes it first",
-              file=sys.stderr)
+    if page_missing(out, "gpu_page.py"):
         return 2
     try:
         part = strategies(out, args.timeout) if args.part == "strategies" else image(args.timeout)
