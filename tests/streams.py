@@ -9,7 +9,8 @@ in SLOTS: "others" weighs 2 and an integration module 1, so one integration modu
 three side by side once it is done.
 
 Each line a process prints is shown as it comes, prefixed by its unit's name; at the end, one line per unit
-(its exit code and wall seconds) and the slowest tests of all units together. The exit code is the first
+(its exit code and wall seconds), the slowest tests of all units together and, last, each test that failed or
+errored with the first line of its message (what a log's tail shows names it). The exit code is the first
 non-zero one in unit order (a unit that collected no test under a ``-k`` selection is not a failure
 unless none collected any). A unit's CPU seconds are its pytest process's and those of the processes waited
 for under it (its multiprocessing ranks, the ``ray-app`` commands' own processes): a floor, not the whole, as
@@ -103,6 +104,27 @@ def slowest(reports: list[Path], n: int) -> list[tuple[float, str]]:
     return sorted(times, reverse=True)[:n]
 
 
+def failures(reports: list[Path]) -> list[tuple[str, str, str]]:
+    """(FAILED or ERROR, test, the first line of its message) of each test that failed or errored, over the
+    units' JUnit reports; a report pytest could not finish (its unit died) is named as such."""
+    found = []
+    for report in reports:
+        try:
+            root = ET.parse(report).getroot()
+        except FileNotFoundError:
+            continue
+        except ET.ParseError:
+            found.append(("ERROR", str(report), "an unfinished JUnit report: the unit's pytest ended early"))
+            continue
+        for case in root.iter("testcase"):
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            for kind, tag in (("FAILED", "failure"), ("ERROR", "error")):
+                for bad in case.iter(tag):
+                    text = (bad.get("message") or bad.text or "").strip()
+                    found.append((kind, name, text.splitlines()[0][:300] if text else ""))
+    return found
+
+
 def split_durations(args: list[str]) -> tuple[int, list[str]]:
     """``--durations=N`` is the scheduler's (one list over every unit), the rest pytest's."""
     n, rest = 0, []
@@ -125,6 +147,7 @@ def _start(unit: Unit, pytest_args: list[str], base: Path, width: int, lock: thr
     # a base folder each, the same every time: two sessions never number, lock or clean up each other's
     # folders, and pytest empties it as the next `make test` starts (what a run leaves stays bounded)
     basetemp = base / f"streams-{unit.name}"
+    (base / f"streams-{unit.name}.xml").unlink(missing_ok=True)  # an earlier run's report is never read as this one's
     unit.proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", *unit.paths, f"--basetemp={basetemp}",
          f"--junitxml={base / f'streams-{unit.name}.xml'}", *pytest_args], cwd=REPO,
@@ -179,7 +202,11 @@ def main(args: list[str]) -> int:
         print(f"slowest {n_slowest} tests of every unit:")
         for seconds, name in slowest([base / f"streams-{u.name}.xml" for u in done], n_slowest):
             print(f"{seconds:8.2f}s {name}")
-    print(f"every unit done in {time.monotonic() - t0:.0f} s")
+    reports = [base / f"streams-{u.name}.xml" for u in done]
+    bad = failures(reports)
+    for kind, name, message in bad:
+        print(f"{kind} {name} - {message}")
+    print(f"every unit done in {time.monotonic() - t0:.0f} s; {len(bad)} failed or errored")
     order = {u.name: i for i, u in enumerate(units())}
     return combined([u.code for u in sorted(done, key=lambda u: order[u.name])])
 

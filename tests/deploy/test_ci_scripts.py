@@ -39,7 +39,7 @@ def test_make_test_runs_every_tier_once_longest_first_and_fails_when_any_unit_fa
     """`make test` (tests/streams.py): its units together name each tier folder and each integration module
     exactly once (a new module is found, not listed by hand), they start longest first within the slots,
     and the run's exit code is a failing unit's (a unit that collected nothing under -k is not a failure)."""
-    from tests.streams import NO_TESTS, SLOTS, combined, next_to_start, slowest, units
+    from tests.streams import NO_TESTS, SLOTS, combined, failures, next_to_start, slowest, units
 
     found = units()
     tiers = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
@@ -64,3 +64,11 @@ def test_make_test_runs_every_tier_once_longest_first_and_fails_when_any_unit_fa
     (tmp_path / "c.xml").write_text("<testsuites>")
     assert slowest([tmp_path / n for n in ("a.xml", "b.xml", "c.xml", "d.xml")], 2) == [
         (9.0, "tests/unit/test_a.py::test_y"), (4.25, "tests/integration/test_b.py::test_z[1]")]
+    # last, what failed or errored, with its message's first line: the tail of CI's log names it
+    (tmp_path / "e.xml").write_text('<testsuites><testsuite><testcase classname="tests.e2e.test_e" name="test_f" time="2">'
+                                    '<failure message="assert 1 == 2&#10;where 1 = f()">trace</failure></testcase>'
+                                    '<testcase classname="tests.e2e.test_e" name="test_g" time="1"><error message="">'
+                                    'fixture broke&#10;more</error></testcase></testsuite></testsuites>')
+    assert failures([tmp_path / n for n in ("a.xml", "c.xml", "d.xml", "e.xml")]) == [
+        ("ERROR", str(tmp_path / "c.xml"), "an unfinished JUnit report: the unit's pytest ended early"),
+        ("FAILED", "tests/e2e/test_e.py::test_f", "assert 1 == 2"), ("ERROR", "tests/e2e/test_e.py::test_g", "fixture broke")]
