@@ -43,8 +43,14 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 EPOCHS, STEPS_PER_EPOCH = 4, 32  # 1024 samples / 2 workers / batch 16
+# rank 0's loader sleeps PACE_S per batch (rank 1 waits for it in the all-reduce): the run trains for at least
+# EPOCHS x STEPS_PER_EPOCH x PACE_S = 19 s, so its sockets are listed while it trains however loaded the
+# machine (at full speed it trained for a few seconds, and a loaded machine's scan could miss them all)
+PACE_S = 0.15
 WORKLOAD = [
-    "--set", "data.name=synthetic", "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
+    "--set", "data.name=tests.support.faulty_data:slow_rank",
+    "--set", f"data.args={{name: synthetic, rank: 0, delay_s: {PACE_S}, batch_size: 16}}",
+    "--set", "data.args.num_samples=1024", "--set", "data.args.image_size=16",
     "--set", "data.batch_size=16", "--set", "model.name=digits_cnn", "--set", f"train.epochs={EPOCHS}",
     "--set", "train.log_every_steps=8", "--set", "metrics.enabled=true",
 ]
@@ -225,6 +231,7 @@ def test_a_local_run_listens_on_loopback_except_for_rays_own_servers(tmp_path):
             if any(s.port == metrics_port for p in process_tree(proc.pid) for s in listeners_of(p)):
                 break  # rank 0 serves metrics: the process group (gloo and its store) is up on every rank
             time.sleep(0.2)
+        listed_while_training = proc.poll() is None
         sockets, workers = owned_sockets(proc.pid, metrics_port)
         rc = proc.wait(timeout=300)
     finally:
@@ -236,6 +243,7 @@ def test_a_local_run_listens_on_loopback_except_for_rays_own_servers(tmp_path):
     print(f"\n[local sockets] host name on the network: {bool(prefix)}; listening sockets of the run:\n{table}")
     assert rc == 0, text[-4000:]
     assert json.loads(text.strip().splitlines()[-1])["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert listed_while_training, f"the run ended before rank 0's exporter was seen listening:\n{table}"
 
     exposed = [s for s in sockets if not s.on_loopback]
     not_rays = [s for s in exposed if s.owner not in NOT_THE_KITS]
