@@ -65,20 +65,6 @@ def port_picker():
     return free_port
 
 
-# `make test` (tests/streams.py) names a file here for its unit of the unit, deploy, bench and e2e tiers: the
-# e2e tier mostly waits (on the image build, containers starting, paced jobs), so once its first test starts,
-# the scheduler gives its slot to another integration module
-PHASE_FILE = "RAY_APP_TESTS_PHASE_FILE"
-
-
-def pytest_runtest_logstart(nodeid, location):
-    import os
-
-    phase = os.environ.get(PHASE_FILE)
-    if phase and nodeid.startswith("tests/e2e/") and not os.path.exists(phase):
-        Path(phase).write_text("e2e\n")
-
-
 def pytest_sessionfinish(session, exitstatus):
     from tests.e2e.image_build import stop
 

@@ -6,9 +6,7 @@ The work is cut into units, each one pytest process: the unit, deploy, bench and
 timeouts the tests wait out), while "others" keeps them busy on its own. So units start longest first
 (their measured seconds below; a module not listed counts as NEW_MODULE_S) for as long as their weights fit
 in SLOTS: "others" weighs 2 and an integration module 1, so one integration module runs beside "others" and
-three side by side once it is done. "others" weighs 1 once its first e2e test starts (tests/conftest.py writes
-a file it names): that tier mostly waits on the image build, containers and paced jobs, and a second
-integration module uses the cores meanwhile.
+three side by side once it is done.
 
 Each line a process prints is shown as it comes, prefixed by its unit's name; at the end, one line per unit
 (its exit code and wall seconds), the slowest tests of all units together and, last, each test that failed or
@@ -34,23 +32,20 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import PHASE_FILE
-
 REPO = Path(__file__).resolve().parents[1]
 OTHERS = ["tests/unit", "tests/deploy", "tests/bench", "tests/e2e"]
 INTEGRATION = "tests/integration"
 SLOTS = 3
 WEIGHT = {"others": 2}  # an integration module: 1
 # Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once, on a
-# machine doing nothing else): only the order they start in depends on them. Its cores were 94 % busy over the
-# whole of `make test` and 99-100 % once "others" was done; below 90 % only while "others" waited in its e2e
-# tier with one integration module beside it: less time needs less work (CPU-seconds), not more processes.
+# machine doing nothing else): only the order they start in depends on them. Its cores were 81-98 % busy while
+# "others" ran and 99-100 % after: less time needs less work (CPU-seconds), not more processes.
 MEASURED_S = {
-    "others": 1364,
-    "test_storage_outage": 354, "test_sweep": 242, "test_user_project": 229, "test_faults": 223,
-    "test_script_mode": 221, "test_run_faults": 219, "test_s3_checkpoints": 190, "test_chaos": 172,
-    "test_tracking_mlflow": 154, "test_examples": 151, "test_train_local": 134, "test_shards_train": 132,
-    "test_hf_models": 127, "test_compile_restart": 123, "test_metrics_prometheus": 113, "test_local_sockets": 51,
+    "others": 1281,
+    "test_s3_checkpoints": 346, "test_sweep": 320, "test_run_faults": 291, "test_user_project": 279,
+    "test_script_mode": 274, "test_hf_models": 258, "test_storage_outage": 246, "test_shards_train": 229,
+    "test_examples": 218, "test_chaos": 216, "test_compile_restart": 183, "test_train_local": 174,
+    "test_tracking_mlflow": 171, "test_faults": 155, "test_metrics_prometheus": 128, "test_local_sockets": 50,
     "test_eval_passes": 3,
 }
 NEW_MODULE_S = 60
@@ -67,12 +62,9 @@ class Unit:
     cpu_seconds: float = 0.0  # the pytest process's and the processes waited for under it (not Ray's, nor containers)
     code: int | None = None
     relay: threading.Thread | None = field(default=None, repr=False)
-    phase_file: Path | None = None  # written by its pytest once it reaches the e2e tier (tests/conftest.py)
 
     @property
     def weight(self) -> int:
-        if self.phase_file is not None and self.phase_file.exists():
-            return 1
         return WEIGHT.get(self.name, 1)
 
 
@@ -156,14 +148,9 @@ def _start(unit: Unit, pytest_args: list[str], base: Path, width: int, lock: thr
     # folders, and pytest empties it as the next `make test` starts (what a run leaves stays bounded)
     basetemp = base / f"streams-{unit.name}"
     (base / f"streams-{unit.name}.xml").unlink(missing_ok=True)  # an earlier run's report is never read as this one's
-    env = dict(os.environ)
-    if unit.name in WEIGHT:
-        unit.phase_file = base / f"streams-{unit.name}.phase"
-        unit.phase_file.unlink(missing_ok=True)
-        env[PHASE_FILE] = str(unit.phase_file)
     unit.proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", *unit.paths, f"--basetemp={basetemp}",
-         f"--junitxml={base / f'streams-{unit.name}.xml'}", *pytest_args], cwd=REPO, env=env,
+         f"--junitxml={base / f'streams-{unit.name}.xml'}", *pytest_args], cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     unit.started = time.monotonic()
     unit.relay = threading.Thread(target=_relay, args=(unit, width, lock), daemon=True)
