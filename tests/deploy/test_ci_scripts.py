@@ -39,11 +39,15 @@ def test_make_test_runs_every_tier_once_longest_first_and_fails_when_any_unit_fa
     """`make test` (tests/streams.py): its units together name each tier folder and each integration module
     exactly once (a new module is found, not listed by hand), they start longest first within the slots,
     and the run's exit code is a failing unit's (a unit that collected nothing under -k is not a failure)."""
-    from tests.streams import NO_TESTS, SLOTS, combined, failures, next_to_start, slowest, units
+    from tests.streams import ALONE, NO_TESTS, SLOTS, combined, failures, next_to_start, slowest, units
 
     found = units()
+    # a module that times a ratio runs first and alone: while it runs, nothing else fits
+    alone, found = found[:len(ALONE)], found[len(ALONE):]
+    assert {u.name for u in alone} == ALONE and all(u.weight == SLOTS for u in alone)
+    assert next_to_start(found, SLOTS - alone[0].weight) is None
     tiers = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
-    named = [Path(path) for u in found for path in u.paths]
+    named = [Path(path) for u in alone + found for path in u.paths]
     assert sorted({p.parts[1] for p in named}) == tiers
     modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "integration").glob("test_*.py"))
     assert sorted(str(p) for p in named if p.parts[1] == "integration") == modules
