@@ -141,7 +141,8 @@ class Prometheus:
 
 
 class TrainingRun:
-    """``ray-app train`` in a subprocess, long enough (~1-2 min) for every check below."""
+    """``ray-app train`` in a subprocess, long enough (~2-3 min) for every check below: 20 epochs (at 10, a run on a
+    machine less loaded than usual ended before the rank-0 kill, and the checks after it waited on a finished run)."""
 
     def __init__(self, tmp: Path, sd_dir: Path, metrics_port: int):
         self.port, self.sd_dir = metrics_port, sd_dir
@@ -155,7 +156,7 @@ class TrainingRun:
             "run.name": RUN, "run.storage": str(self.storage),
             "data.name": SLOW_DATA, "model.name": "mlp",
             "data.args": f"{{name: synthetic, num_samples: 4096, rank: 1, delay_s: 0.1, batches: 40, once: {tmp / 'slowed'}}}",
-            "train.epochs": 10, "train.log_every_steps": 5,
+            "train.epochs": 20, "train.log_every_steps": 5,
             "checkpoint.every_steps": 20, "checkpoint.every_epochs": 1,
             "scaling.num_workers": 2, "failure.max_failures": 2,
             "metrics.port": metrics_port,
