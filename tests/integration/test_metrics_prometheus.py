@@ -205,9 +205,10 @@ def stack(tmp_path_factory):
 
 
 def serving(prom: Prometheus, run: TrainingRun, timeout: float = 240) -> None:
-    """Wait until Prometheus scrapes rank 0 successfully and has a global step above 0."""
+    """Wait until Prometheus scrapes rank 0 successfully and has a global step above 0; fail at once if the run
+    has ended (every caller checks a live run: waiting on a finished one would only time out)."""
     def check():
-        assert run.alive() or run.proc.returncode == 0, f"training exited with {run.proc.returncode}\n{run.tail()}"
+        assert run.alive(), f"the run ended (exit {run.proc.returncode}) before this check\n{run.tail()}"
         step = prom.scalar('ray_app_global_step{job="ray-app"}')
         return step is not None and step > 0
     wait_for("Prometheus to scrape a global step from rank 0", check, timeout,
