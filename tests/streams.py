@@ -37,8 +37,8 @@ OTHERS = ["tests/unit", "tests/deploy", "tests/bench", "tests/e2e"]
 INTEGRATION = "tests/integration"
 SLOTS = 3
 # A module whose test asserts a ratio of two wall times of one run (the compile cache's: a restarted group's
-# time to its first step at least 3x shorter than the cold compile's) runs first and alone: with three units
-# beside it the ratio measured 2.5 (4.8 alone), as the load changed between the two moments it times
+# time to its first step at least 3x shorter than the cold compile's) runs first and alone: with other units
+# beside it (three at once) the ratio measured 2.5 (4.8 alone), as the load changed between the two moments it times
 ALONE = {"test_compile_restart"}
 WEIGHT = {"others": 2, **{name: SLOTS for name in ALONE}}  # an integration module: 1
 # Wall seconds of each unit measured in a clean-clone `.ci/run` on 2 cores (the whole suite at once, on a
@@ -95,6 +95,10 @@ def combined(codes: list[int]) -> int:
     return next((code for code in codes if code not in (0, NO_TESTS)), 0)
 
 
+def _test_id(case: ET.Element) -> str:
+    return f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+
+
 def slowest(reports: list[Path], n: int) -> list[tuple[float, str]]:
     """The ``n`` slowest tests over the units' JUnit reports (setup, call and teardown together)."""
     times = []
@@ -103,9 +107,7 @@ def slowest(reports: list[Path], n: int) -> list[tuple[float, str]]:
             root = ET.parse(report).getroot()
         except (OSError, ET.ParseError):
             continue
-        for case in root.iter("testcase"):
-            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-            times.append((float(case.get("time", 0)), name))
+        times += [(float(case.get("time", 0)), _test_id(case)) for case in root.iter("testcase")]
     return sorted(times, reverse=True)[:n]
 
 
@@ -122,11 +124,10 @@ def failures(reports: list[Path]) -> list[tuple[str, str, str]]:
             found.append(("ERROR", str(report), "an unfinished JUnit report: the unit's pytest ended early"))
             continue
         for case in root.iter("testcase"):
-            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
             for kind, tag in (("FAILED", "failure"), ("ERROR", "error")):
                 for bad in case.iter(tag):
                     text = (bad.get("message") or bad.text or "").strip()
-                    found.append((kind, name, text.splitlines()[0][:300] if text else ""))
+                    found.append((kind, _test_id(case), text.splitlines()[0][:300] if text else ""))
     return found
 
 
@@ -203,11 +204,11 @@ def main(args: list[str]) -> int:
     for unit in done:
         note = "  (no test selected)" if unit.code == NO_TESTS else ""
         print(f"{unit.name:<{width}}  {unit.code:>4}  {unit.seconds:7.0f}  {unit.cpu_seconds:11.0f}{note}")
+    reports = [base / f"streams-{u.name}.xml" for u in done]
     if n_slowest:
         print(f"slowest {n_slowest} tests of every unit:")
-        for seconds, name in slowest([base / f"streams-{u.name}.xml" for u in done], n_slowest):
+        for seconds, name in slowest(reports, n_slowest):
             print(f"{seconds:8.2f}s {name}")
-    reports = [base / f"streams-{u.name}.xml" for u in done]
     bad = failures(reports)
     for kind, name, message in bad:
         print(f"{kind} {name} - {message}")
